@@ -1,0 +1,237 @@
+"""Array handling: the only module that knows which kinds of arrays exist.
+
+Collectives hand every user array to one of the ``prepare_*`` functions and get
+back a C-contiguous numpy array that a backend can give to MPI, plus, for
+outputs that had to be staged, the caller's array to copy the result into.
+
+* A C-contiguous array of a supported dtype is returned as it is: never copied.
+* A non-contiguous one is staged through a contiguous copy (counted in
+  ``world.stats``) and, for outputs, written back after completion.
+* Anything else (lists, scalars, object or structured dtypes, read-only outputs)
+  raises a TypeError or ValueError that names the function and the argument.
+
+Other array kinds (torch tensors, cupy arrays, ``__cuda_array_interface__`` and
+DLPack objects) plug in as adapters in :func:`_adapt` without touching the
+collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._world import world
+
+try:  # bfloat16 for numpy comes from ml_dtypes (a dependency)
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
+    _ml_dtypes = None
+
+__all__ = [
+    "DtypeInfo",
+    "DTYPES",
+    "prepare_input",
+    "prepare_output",
+    "prepare_inout",
+    "prepare_input_list",
+    "prepare_output_list",
+    "dtype_info",
+    "describe",
+    "write_back",
+    "may_overlap",
+    "as_array",
+]
+
+ndarray = np.ndarray
+
+
+class DtypeInfo:
+    """What mpidist knows about one supported element type, backend-neutral."""
+
+    __slots__ = ("dtype", "kind", "name")
+
+    def __init__(self, dtype: np.dtype, kind: str) -> None:
+        self.dtype = dtype
+        self.kind = kind  # 'b' bool, 'i' signed, 'u' unsigned, 'f' floating, 'c' complex
+        self.name = dtype.name
+
+    def __repr__(self) -> str:
+        return f"DtypeInfo({self.name}, kind={self.kind!r})"
+
+
+def _supported() -> dict[np.dtype, DtypeInfo]:
+    kinds = {
+        np.bool_: "b",
+        np.int8: "i", np.int16: "i", np.int32: "i", np.int64: "i",
+        np.uint8: "u", np.uint16: "u", np.uint32: "u", np.uint64: "u",
+        np.float16: "f", np.float32: "f", np.float64: "f",
+        np.complex64: "c", np.complex128: "c",
+    }  # fmt: skip
+    table = {np.dtype(t): DtypeInfo(np.dtype(t), k) for t, k in kinds.items()}
+    if _ml_dtypes is not None:
+        bf16 = np.dtype(_ml_dtypes.bfloat16)
+        table[bf16] = DtypeInfo(bf16, "f")
+    return table
+
+
+#: The supported element types (constant after import).
+DTYPES: dict[np.dtype, DtypeInfo] = _supported()
+
+
+def describe(x: Any) -> str:
+    """Return a short description such as ``float64[4, 2]`` for messages and traces."""
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return type(x).__name__
+    return f"{getattr(dtype, 'name', dtype)}[{', '.join(str(int(s)) for s in shape)}]"
+
+
+def dtype_info(dtype: np.dtype, fn: str, arg: str) -> DtypeInfo:
+    """Return the DtypeInfo of ``dtype`` or raise a TypeError that says why it is unsupported."""
+    info = DTYPES.get(dtype)
+    if info is not None:
+        return info
+    if dtype.byteorder not in "=|" and dtype.newbyteorder("=") in DTYPES:
+        raise TypeError(
+            f"{fn}: {arg} has non-native byte order ({dtype.str}); convert it with "
+            "arr.astype(arr.dtype.newbyteorder('='))"
+        )
+    names = ", ".join(sorted(i.name for i in DTYPES.values()))
+    what = "object" if dtype.kind == "O" else ("structured" if dtype.fields else dtype.name)
+    raise TypeError(f"{fn}: {arg} has dtype {what}, which mpidist does not send; supported: {names}")
+
+
+def _adapt(x: Any, fn: str, arg: str) -> ndarray:
+    """Return a numpy view of ``x`` (zero-copy), or raise a TypeError for unsupported kinds."""
+    if isinstance(x, ndarray):
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(
+                f"{fn}: {arg} is a numpy masked array; its mask would be ignored, "
+                "pass arr.filled(value) or arr.data explicitly"
+            )
+        return x
+    hint = ""
+    if isinstance(x, (list, tuple, int, float, complex, bool)):
+        hint = "; convert it with numpy.asarray(...)"
+    elif isinstance(x, np.generic):
+        hint = "; numpy scalars are immutable, use numpy.array(value) instead"
+    raise TypeError(f"{fn}: {arg} must be a numpy.ndarray, got {type(x).__module__}.{type(x).__qualname__}{hint}")
+
+
+def as_array(x: Any, fn: str, arg: str, writeable: bool = False) -> ndarray:
+    """Return a validated numpy view of ``x`` (any layout), without staging."""
+    a = x if type(x) is ndarray else _adapt(x, fn, arg)
+    dtype_info(a.dtype, fn, arg)
+    if writeable:
+        _check_writeable(a, fn, arg)
+    return a
+
+
+def _count_copy(a: ndarray) -> None:
+    world.stats.count_copy(a.nbytes)
+
+
+def _contiguous_copy(a: ndarray) -> ndarray:
+    out = np.array(a, order="C", copy=True)
+    _count_copy(out)
+    return out
+
+
+def prepare_input(x: Any, fn: str, arg: str) -> ndarray:
+    """Return a C-contiguous numpy array with ``x``'s data, for reading only."""
+    if type(x) is ndarray and x.flags.c_contiguous:
+        return x
+    a = _adapt(x, fn, arg)
+    dtype_info(a.dtype, fn, arg)
+    return a if a.flags.c_contiguous else _contiguous_copy(a)
+
+
+def _check_writeable(a: ndarray, fn: str, arg: str) -> None:
+    if not a.flags.writeable:
+        raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
+
+
+def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
+    """Return ``(buffer, target)``: a contiguous buffer holding ``x``'s data.
+
+    ``target`` is None when the buffer is ``x`` itself, else the array to copy
+    the result into with :func:`write_back` once the operation completes.
+    """
+    if type(x) is ndarray:
+        f = x.flags
+        if f.c_contiguous and f.writeable:
+            return x, None
+    a = _adapt(x, fn, arg)
+    dtype_info(a.dtype, fn, arg)
+    _check_writeable(a, fn, arg)
+    if a.flags.c_contiguous:
+        return a, None
+    return _contiguous_copy(a), a
+
+
+def prepare_output(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
+    """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
+    if type(x) is ndarray:
+        f = x.flags
+        if f.c_contiguous and f.writeable:
+            return x, None
+    a = _adapt(x, fn, arg)
+    dtype_info(a.dtype, fn, arg)
+    _check_writeable(a, fn, arg)
+    if a.flags.c_contiguous:
+        return a, None
+    tmp = np.empty(a.shape, a.dtype)
+    _count_copy(tmp)
+    return tmp, a
+
+
+def write_back(buf: ndarray, target: ndarray) -> None:
+    """Copy a staged result into the caller's array."""
+    np.copyto(target, buf.reshape(target.shape), casting="no")
+
+
+def _check_list(xs: Any, fn: str, arg: str, n: int | None) -> Sequence[Any]:
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{fn}: {arg} must be a list of arrays, got {type(xs).__name__}")
+    if n is not None and len(xs) != n:
+        raise ValueError(f"{fn}: {arg} has {len(xs)} arrays but the group has {n} ranks; pass one per rank")
+    return xs
+
+
+def prepare_input_list(xs: Any, fn: str, arg: str, n: int | None = None) -> list[ndarray]:
+    """Prepare every array of a list as an input (see :func:`prepare_input`)."""
+    xs = _check_list(xs, fn, arg, n)
+    return [prepare_input(x, fn, f"{arg}[{i}]") for i, x in enumerate(xs)]
+
+
+def prepare_output_list(
+    xs: Any, fn: str, arg: str, n: int | None = None
+) -> tuple[list[ndarray], list[tuple[ndarray, ndarray]]]:
+    """Prepare every array of a list as an output.
+
+    Returns the buffers and the ``(buffer, target)`` pairs that need a write-back.
+    """
+    xs = _check_list(xs, fn, arg, n)
+    bufs: list[ndarray] = []
+    backs: list[tuple[ndarray, ndarray]] = []
+    for i, x in enumerate(xs):
+        buf, target = prepare_output(x, fn, f"{arg}[{i}]")
+        bufs.append(buf)
+        if target is not None:
+            backs.append((buf, target))
+    return bufs, backs
+
+
+def _owner(a: ndarray) -> Any:
+    base = a.base
+    return a if base is None else base
+
+
+def may_overlap(a: ndarray, b: ndarray) -> bool:
+    """Return True unless ``a`` and ``b`` certainly use separate memory (cheap for owners)."""
+    oa, ob = _owner(a), _owner(b)
+    if oa is not ob and type(oa) is ndarray and type(ob) is ndarray and oa.base is None and ob.base is None:
+        return False
+    return bool(np.may_share_memory(a, b))

@@ -1,0 +1,85 @@
+"""The one object that holds mpidist's process-wide state.
+
+Everything mutable that outlives a call lives on :data:`world`: the default
+process group, the registry of groups, counters, registered backends and
+caches that depend on the MPI library. ``destroy_process_group()`` calls
+:meth:`World.reset`, after which ``init_process_group()`` may run again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
+
+
+class BackendEntry:
+    """How to build one named backend (see ``Backend.register_backend``)."""
+
+    __slots__ = ("name", "factory", "extended_api", "devices", "builtin")
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        extended_api: bool,
+        devices: tuple[str, ...],
+        builtin: bool,
+    ) -> None:
+        self.name = name
+        self.factory = factory
+        self.extended_api = extended_api
+        self.devices = devices
+        self.builtin = builtin
+
+
+class Stats:
+    """Counters of work done outside MPI (staging copies), for tests and benchmarks."""
+
+    __slots__ = ("copies", "copied_bytes")
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self.copied_bytes = 0
+
+    def count_copy(self, nbytes: int) -> None:
+        self.copies += 1
+        self.copied_bytes += int(nbytes)
+
+
+class World:
+    """Process-wide state: default group, group registry, backends, caches."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.backends: dict[str, BackendEntry] = {}
+        self.stats = Stats()
+        # Per-MPI-library tables (datatypes, op support); they survive reset().
+        self.mpi_type_table: Any = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self.default_pg: ProcessGroup | None = None
+        self.groups: dict[str, ProcessGroup] = {}
+        self.group_count = 0
+        self.control_comm: Any = None  # private MPI communicator for library traffic
+        self.node_comm: Any = None  # shared-memory (node-local) split of the world
+        self.init_info: dict[str, Any] = {}
+
+    def next_group_name(self) -> str:
+        """Return a name for a group that every rank creates in the same order."""
+        name = str(self.group_count)
+        self.group_count += 1
+        return name
+
+    def register_group(self, pg: ProcessGroup) -> None:
+        self.groups[pg.group_name] = pg
+
+    def reset(self) -> None:
+        """Forget every group; called by ``destroy_process_group()``."""
+        self._clear()
+
+
+world = World()

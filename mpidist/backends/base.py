@@ -1,0 +1,137 @@
+"""The interface every backend implements.
+
+Collectives validate their arguments, translate ranks to group ranks and
+prepare arrays (``mpidist._arrays``) before calling a backend, so a backend
+method receives:
+
+* C-contiguous numpy arrays of a supported dtype (for device backends later:
+  the prepared device arrays), already checked for sizes and dtypes;
+* ``backs``: None, or ``(buffer, target)`` pairs whose buffer must be copied into
+  the target (``_arrays.write_back``) once the operation has completed;
+* ranks as group ranks; ``async_op``: return a :class:`~mpidist.work.Work` if
+  True, else complete the operation (within the group's timeout) and return None.
+
+A third-party backend registered with ``Backend.register_backend`` returns an
+object of a subclass of :class:`BaseBackend` from its factory.
+
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import DistBackendError
+from ..work import Work
+
+
+class BaseBackend(ABC):
+    """Base class of backends: one instance per process group."""
+
+    #: the name ``get_backend()`` reports
+    name: str = "undefined"
+
+    def __init__(self, rank: int, size: int, timeout_s: float, group_name: str = "") -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.seq = 0  # collectives and p2p calls issued on this group
+        self._stuck: list[Any] = []
+
+    # -- errors shared by every backend ------------------------------------------------
+    def describe(self) -> str:
+        return f"group {self.group_name or '?'} ({self.name}, rank {self.rank} of {self.size})"
+
+    def backend_error(self, op: str, seq: int, exc: BaseException) -> DistBackendError:
+        """Wrap a library error of call ``seq`` in a DistBackendError."""
+        return DistBackendError(f"{op} (call #{seq}) on {self.describe()} failed: {exc}")
+
+    def timeout_error(self, op: str, seq: int, waited: float) -> DistBackendError:
+        """Build the error for call ``seq`` that did not complete in time."""
+        return DistBackendError(
+            f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout "
+            f"of {self.timeout_s:g} s (waited {waited:.3g} s); a rank of the group has not "
+            "called it, or called something else. The group is unusable now; "
+            "destroy it or end the job."
+        )
+
+    def keep_stuck(self, reqs: Any, keep: Any) -> None:
+        """Keep the requests and buffers of an operation that timed out alive forever.
+
+        MPI may still write into them, so they must never be freed.
+        """
+        self._stuck.append((reqs, keep))
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release the backend's resources (``destroy_process_group``)."""
+
+    # -- collectives -----------------------------------------------------------------
+    @abstractmethod
+    def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Work | None: ...
+
+    @abstractmethod
+    def all_reduce(self, buf: np.ndarray, backs: Any, op: Any, async_op: bool) -> Work | None: ...
+
+    @abstractmethod
+    def reduce(self, buf: np.ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None: ...
+
+    @abstractmethod
+    def all_gather(
+        self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def all_gather_into_tensor(
+        self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def gather(
+        self, inp: np.ndarray, outs: Sequence[np.ndarray] | None, backs: Any, root: int, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def scatter(
+        self, out: np.ndarray, backs: Any, ins: Sequence[np.ndarray] | None, root: int, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def reduce_scatter(
+        self, out: np.ndarray, backs: Any, ins: Sequence[np.ndarray], op: Any, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def reduce_scatter_tensor(
+        self, out: np.ndarray, backs: Any, inp: np.ndarray, op: Any, async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def all_to_all_single(
+        self,
+        out: np.ndarray,
+        backs: Any,
+        inp: np.ndarray,
+        out_counts: Sequence[int] | None,
+        in_counts: Sequence[int] | None,
+        async_op: bool,
+    ) -> Work | None:
+        """Counts are in elements, one per rank; None means equal splits."""
+
+    @abstractmethod
+    def all_to_all(
+        self, outs: Sequence[np.ndarray], backs: Any, ins: Sequence[np.ndarray], async_op: bool
+    ) -> Work | None: ...
+
+    @abstractmethod
+    def barrier(self, async_op: bool) -> Work | None: ...
+
+    # -- point-to-point ---------------------------------------------------------------
+    @abstractmethod
+    def send(self, buf: np.ndarray, peer: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def recv(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Work:
+        """``peer`` None receives from any rank; ``Work.source_rank()`` tells which."""

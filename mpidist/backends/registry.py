@@ -1,0 +1,174 @@
+"""Backend names (``Backend``), registration of third-party backends, construction."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from .._world import BackendEntry, world
+from .base import BaseBackend
+
+__all__ = ["Backend", "BackendOptions", "parse_backend", "create_backend", "nccl_importable"]
+
+
+class Backend(str):
+    """An enum-like class of backend names: ``Backend.MPI == "mpi"``, ``Backend.NCCL``, ...
+
+    ``Backend(name)`` parses a name case-insensitively and returns the lowercase
+    string (``Backend("MPI") == "mpi"``). Third-party backends register with
+    :meth:`register_backend`.
+    """
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+
+    backend_list = [UNDEFINED, GLOO, NCCL, UCC, MPI]
+    default_device_backend_map: dict[str, str] = {"cpu": MPI, "cuda": NCCL}
+    backend_capability: dict[str, list[str]] = {MPI: ["cpu", "cuda"], NCCL: ["cuda"], GLOO: ["cpu"]}
+
+    def __new__(cls, name: str) -> Backend:
+        if not isinstance(name, str):
+            raise ValueError(f"Backend: the name must be a string, got {type(name).__name__}")
+        value = getattr(Backend, name.upper(), None)
+        if not isinstance(value, str):
+            value = name.lower()
+        return super().__new__(cls, value)
+
+    @classmethod
+    def register_backend(
+        cls,
+        name: str,
+        func: Callable[..., BaseBackend],
+        extended_api: bool = False,
+        devices: str | list[str] | None = None,
+    ) -> None:
+        """Register a backend under ``name`` for ``init_process_group``/``new_group``.
+
+        ``func(store, rank, world_size, timeout)`` (or, with ``extended_api=True``,
+        ``func(options, pg_options)`` where ``options`` is a :class:`BackendOptions`
+        that also carries the group's private MPI communicator) must return an
+        instance of a :class:`~mpidist.backends.base.BaseBackend` subclass.
+        """
+        if not isinstance(name, str) or not name or not name.isidentifier():
+            raise ValueError(f"Backend.register_backend: name must be an identifier-like string, got {name!r}")
+        if not callable(func):
+            raise TypeError(f"Backend.register_backend: func must be callable, got {type(func).__name__}")
+        key = name.lower()
+        if key in world.backends or hasattr(Backend, name.upper()):
+            raise ValueError(f"Backend.register_backend: {name!r} is already registered")
+        if devices is None:
+            devs: tuple[str, ...] = ("cpu", "cuda")
+        elif isinstance(devices, str):
+            devs = (devices,)
+        else:
+            devs = tuple(devices)
+        setattr(Backend, name.upper(), key)
+        Backend.backend_list.append(key)
+        Backend.backend_capability[key] = list(devs)
+        world.backends[key] = BackendEntry(key, func, bool(extended_api), devs, builtin=False)
+
+
+@dataclass
+class BackendOptions:
+    """What a backend factory gets (torch's ``_DistributedBackendOptions`` plus ``comm``)."""
+
+    store: Any
+    group_rank: int
+    group_size: int
+    timeout: timedelta
+    group_id: str
+    global_ranks_in_group: list[int]
+    comm: Any = field(repr=False, default=None)  # the group's private MPI communicator
+
+
+def nccl_importable() -> bool:
+    """Return True if cupy's NCCL bindings can be imported (without importing them)."""
+    try:
+        return importlib.util.find_spec("cupy") is not None and importlib.util.find_spec("cupy.cuda.nccl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_NO_GLOO = (
+    "mpidist has no {name} backend: use backend='mpi' (the default), which runs every "
+    "collective on host arrays over MPI"
+)
+
+
+def parse_backend(backend: Any, fn: str) -> dict[str, str]:
+    """Return ``{device: backend name}`` for a backend argument (None means MPI for CPU)."""
+    if backend is None:
+        return {"cpu": Backend.MPI}
+    if not isinstance(backend, str):
+        raise TypeError(f"{fn}: backend must be a string such as 'mpi', got {type(backend).__name__}")
+    text = backend.strip().lower()
+    if ":" in text:
+        mapping: dict[str, str] = {}
+        for part in text.split(","):
+            device, sep, name = part.partition(":")
+            if not sep or not device.strip() or not name.strip():
+                raise ValueError(f"{fn}: backend {backend!r} is not of the form 'cpu:mpi,cuda:nccl'")
+            mapping[device.strip()] = _known(name.strip(), fn)
+    else:
+        name = _known(text, fn)
+        entry = world.backends.get(name)
+        devices = entry.devices if entry is not None and not entry.builtin else ("cpu",)
+        mapping = {d: name for d in devices}
+    if "cpu" not in mapping:
+        raise ValueError(
+            f"{fn}: backend {backend!r} names no backend for host (cpu) arrays; "
+            "this version of mpidist runs every collective on host arrays, e.g. 'cpu:mpi,cuda:nccl'"
+        )
+    return mapping
+
+
+def _known(name: str, fn: str) -> str:
+    if name in (Backend.GLOO, Backend.UCC):
+        raise ValueError(f"{fn}: " + _NO_GLOO.format(name=name))
+    if name in world.backends:
+        return name
+    available = ", ".join(sorted(world.backends))
+    raise ValueError(f"{fn}: unknown backend {name!r}; available: {available} (or one registered with Backend.register_backend)")
+
+
+def create_backend(name: str, options: BackendOptions, pg_options: Any) -> BaseBackend:
+    """Build the backend object ``name`` for one process group."""
+    entry = world.backends[name]
+    if entry.extended_api:
+        impl = entry.factory(options, pg_options)
+    else:
+        impl = entry.factory(options.store, options.group_rank, options.group_size, options.timeout)
+    if not isinstance(impl, BaseBackend):
+        raise TypeError(
+            f"backend {name!r}: its factory returned {type(impl).__name__}, expected an instance "
+            "of a mpidist.backends.BaseBackend subclass"
+        )
+    return impl
+
+
+def _make_mpi(options: BackendOptions, pg_options: Any) -> BaseBackend:
+    from .mpi import MPIBackend
+
+    return MPIBackend(options.comm, options.timeout.total_seconds(), options.group_id)
+
+
+def _make_nccl(options: BackendOptions, pg_options: Any) -> BaseBackend:
+    raise ValueError(
+        "the nccl backend needs device-array support, which this version of mpidist does "
+        "not have yet; use backend='mpi' for host arrays"
+    )
+
+
+def register_builtins() -> None:
+    """Register the backends that ship with mpidist (idempotent)."""
+    for name, factory in ((Backend.MPI, _make_mpi), (Backend.NCCL, _make_nccl)):
+        if name not in world.backends:
+            world.backends[name] = BackendEntry(name, factory, True, ("cpu",), builtin=True)
+
+
+register_builtins()

@@ -1,0 +1,553 @@
+"""Public collectives, with torch.distributed's names, parameters and semantics.
+
+Each function: resolve the group (a non-member gets None back and nothing
+happens), translate ``src``/``dst`` (global ranks) or ``group_src``/``group_dst``
+(group ranks) to group ranks, validate and prepare the arrays locally, then make
+one backend call. ``async_op=True`` returns a :class:`~mpidist.work.Work` whose
+``result()`` (and future value) lists the output arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._arrays import (
+    as_array,
+    prepare_inout,
+    prepare_input,
+    prepare_input_list,
+    prepare_output,
+    prepare_output_list,
+)
+from ._world import world
+from .errors import RankNotInGroupError
+from .process_group import ProcessGroup, rank_int, resolve_group
+from .reduce_op import ReduceOp
+from .work import Work
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "all_to_all",
+    "barrier",
+    "monitored_barrier",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+]
+
+SUM = ReduceOp.SUM
+
+
+def root_rank(
+    pg: ProcessGroup, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
+) -> int:
+    """Return the group rank named by a global rank or a group rank (exactly one of them)."""
+    if group_rank is not None:
+        if global_rank is not None:
+            raise ValueError(f"{fn}: pass either {names[0]} (global rank) or {names[1]} (group rank), not both")
+        r = rank_int(group_rank, fn, names[1])
+        if not 0 <= r < pg.size():
+            raise RankNotInGroupError(f"{fn}: {names[1]}={r} is out of range for a group of size {pg.size()}")
+        return r
+    if global_rank is None:
+        if default is None:
+            raise ValueError(f"{fn}: {names[0]} (a global rank) or {names[1]} (a group rank) is required")
+        global_rank = default
+    return pg.group_rank(global_rank, fn, names[0])
+
+
+def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.ndarray], name: str) -> None:
+    for i, a in enumerate(arrays):
+        if a.dtype != ref.dtype:
+            raise TypeError(f"{fn}: {name}[{i}] is {a.dtype.name} but {ref_name} is {ref.dtype.name}; dtypes must match")
+
+
+def _check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{fn}: {a_name} is {a.dtype.name} but {b_name} is {b.dtype.name}; dtypes must match")
+
+
+def _check_own_size(fn: str, mine: np.ndarray, name: str, rank: int, local: np.ndarray, local_name: str) -> None:
+    if mine.size != local.size:
+        raise ValueError(
+            f"{fn}: {name}[{rank}] (this rank's slot) has {mine.size} elements but {local_name} has "
+            f"{local.size}; they must match"
+        )
+
+
+def broadcast(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False, group_src: int | None = None
+) -> Work | None:
+    """Send ``tensor`` from rank ``src`` to every rank of the group (in place).
+
+    Example (``mpiexec -n 2``)::
+
+        >>> x = np.arange(3.0) if dist.get_rank() == 0 else np.zeros(3)
+        >>> dist.broadcast(x, src=0)        # x == [0., 1., 2.] everywhere
+    """
+    fn = "broadcast"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
+    impl = pg.impl
+    if impl.rank == root:
+        buf, backs = prepare_input(tensor, fn, "tensor"), None
+    else:
+        buf, target = prepare_output(tensor, fn, "tensor")
+        backs = None if target is None else [(buf, target)]
+    w = impl.broadcast(buf, backs, root, async_op)
+    if w is not None:
+        w._outputs = [tensor]
+    return w
+
+
+def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group in place; every rank gets the identical result.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()   # [1, 2] and [3, 4]
+        >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)      # x == [4, 6] everywhere
+    """
+    pg = resolve_group(group, "all_reduce")
+    if pg is None:
+        return None
+    buf, target = prepare_inout(tensor, "all_reduce", "tensor")
+    w = pg.impl.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
+    if w is not None:
+        w._outputs = [tensor]
+    return w
+
+
+def reduce(
+    tensor: Any,
+    dst: int | None = None,
+    op: Any = SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only.
+
+    Other ranks' ``tensor`` is left unchanged.
+    """
+    fn = "reduce"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
+    impl = pg.impl
+    if impl.rank == root:
+        buf, target = prepare_inout(tensor, fn, "tensor")
+        backs = None if target is None else [(buf, target)]
+    else:
+        buf, backs = prepare_input(tensor, fn, "tensor"), None
+    w = impl.reduce(buf, backs, op, root, async_op)
+    if w is not None:
+        w._outputs = [tensor]
+    return w
+
+
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list`` (one array per rank) on all ranks.
+
+    The arrays may differ in size from rank to rank: ``tensor_list[i]`` must have
+    rank ``i``'s size. They are written in place, without an intermediate buffer.
+    """
+    fn = "all_gather"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    inp = prepare_input(tensor, fn, "tensor")
+    outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", impl.size)
+    _same_dtype(fn, inp, "tensor", outs, "tensor_list")
+    _check_own_size(fn, outs[impl.rank], "tensor_list", impl.rank, inp, "tensor")
+    w = impl.all_gather(outs, backs or None, inp, async_op)
+    if w is not None:
+        w._outputs = [tensor_list]
+    return w
+
+
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor``.
+
+    ``output_tensor`` has ``world_size`` times the input's elements: the inputs
+    concatenated (shape ``(world_size * n, ...)``) or stacked (``(world_size, n, ...)``).
+
+    Example (``mpiexec -n 2``)::
+
+        >>> out = np.zeros(4, np.int64)
+        >>> dist.all_gather_into_tensor(out, np.arange(2) + 1 + 2 * dist.get_rank())
+        >>> out                                   # [1, 2, 3, 4] on both ranks
+    """
+    fn = "all_gather_into_tensor"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    out, target = prepare_output(output_tensor, fn, "output_tensor")
+    inp = prepare_input(input_tensor, fn, "input_tensor")
+    if out.dtype != inp.dtype:
+        _check_dtype(fn, out, "output_tensor", inp, "input_tensor")
+    if out.size != impl.size * inp.size:
+        raise ValueError(
+            f"{fn}: output_tensor has {out.size} elements but must have world_size * "
+            f"input_tensor.size = {impl.size} * {inp.size} = {impl.size * inp.size}"
+        )
+    w = impl.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
+    if w is not None:
+        w._outputs = [output_tensor]
+    return w
+
+
+all_gather_single = all_gather_into_tensor
+
+
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default: global rank 0).
+
+    ``gather_list`` is required on ``dst`` and must be None (or empty) elsewhere.
+    """
+    fn = "gather"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
+    impl = pg.impl
+    inp = prepare_input(tensor, fn, "tensor")
+    if impl.rank == root:
+        if gather_list is None:
+            raise ValueError(f"{fn}: gather_list must be given on the destination rank")
+        outs, backs = prepare_output_list(gather_list, fn, "gather_list", impl.size)
+        _same_dtype(fn, inp, "tensor", outs, "gather_list")
+        _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
+        w = impl.gather(inp, outs, backs or None, root, async_op)
+    else:
+        if gather_list:
+            raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
+        w = impl.gather(inp, None, None, root, async_op)
+    if w is not None:
+        w._outputs = [gather_list] if impl.rank == root else []
+    return w
+
+
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """Send ``scatter_list[i]`` from rank ``src`` (default: global rank 0) into rank ``i``'s ``tensor``.
+
+    ``scatter_list`` is required on ``src`` and must be None (or empty) elsewhere.
+    """
+    fn = "scatter"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    impl = pg.impl
+    out, target = prepare_output(tensor, fn, "tensor")
+    backs = None if target is None else [(out, target)]
+    if impl.rank == root:
+        if not scatter_list:
+            raise ValueError(f"{fn}: scatter_list must be given on the source rank")
+        ins = prepare_input_list(scatter_list, fn, "scatter_list", impl.size)
+        _same_dtype(fn, out, "tensor", ins, "scatter_list")
+        _check_own_size(fn, ins[root], "scatter_list", root, out, "tensor")
+    else:
+        if scatter_list:
+            raise ValueError(f"{fn}: scatter_list must be None (or empty) on non-source ranks")
+        ins = None
+    w = impl.scatter(out, backs, ins, root, async_op)
+    if w is not None:
+        w._outputs = [tensor]
+    return w
+
+
+def reduce_scatter(
+    output: Any, input_list: list[Any], op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``."""
+    fn = "reduce_scatter"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    out, target = prepare_output(output, fn, "output")
+    ins = prepare_input_list(input_list, fn, "input_list", impl.size)
+    _same_dtype(fn, out, "output", ins, "input_list")
+    _check_own_size(fn, ins[impl.rank], "input_list", impl.rank, out, "output")
+    w = impl.reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
+    if w is not None:
+        w._outputs = [output]
+    return w
+
+
+def reduce_scatter_tensor(
+    output: Any, input: Any, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``input`` across ranks; rank ``i`` gets block ``i`` of the result in ``output``.
+
+    ``input`` has ``world_size`` times the output's elements (concatenated or stacked blocks).
+
+    Example (``mpiexec -n 2``)::
+
+        >>> out = np.zeros(2, np.int64)
+        >>> dist.reduce_scatter_tensor(out, np.arange(4))   # [0, 2] on rank 0, [4, 6] on rank 1
+    """
+    fn = "reduce_scatter_tensor"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    out, target = prepare_output(output, fn, "output")
+    inp = prepare_input(input, fn, "input")
+    if out.dtype != inp.dtype:
+        _check_dtype(fn, out, "output", inp, "input")
+    if inp.size != impl.size * out.size:
+        raise ValueError(
+            f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
+            f"{impl.size} * {out.size} = {impl.size * out.size}"
+        )
+    w = impl.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
+    if w is not None:
+        w._outputs = [output]
+    return w
+
+
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def _split_counts(splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str) -> list[int] | None:
+    """Return per-rank element counts for a split-size argument (None for an even split)."""
+    if splits is None or (isinstance(splits, (list, tuple)) and len(splits) == 0):
+        if rows % n:
+            raise ValueError(
+                f"{fn}: {arr_name} has {rows} rows, which do not split evenly over {n} ranks; pass {name}"
+            )
+        return None
+    if not isinstance(splits, (list, tuple, np.ndarray)):
+        raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
+    if len(splits) != n:
+        raise ValueError(f"{fn}: {name} has {len(splits)} entries but the group has {n} ranks")
+    sizes = [rank_int(s, fn, name) for s in splits]
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{fn}: {name} must not contain negative sizes, got {sizes}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{fn}: {name} sums to {sum(sizes)} but {arr_name} has {rows} rows")
+    return [s * row_elems for s in sizes]
+
+
+def all_to_all_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Split ``input`` by rows, send block ``i`` to rank ``i``, and concatenate what arrives into ``output``.
+
+    Without split sizes the rows split evenly; with them, ``input_split_sizes[i]``
+    rows go to rank ``i`` and ``output_split_sizes[i]`` rows come from it. Rows
+    may have any trailing shape (the same for input and output).
+    """
+    fn = "all_to_all_single"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    n = impl.size
+    out, target = prepare_output(output, fn, "output")
+    inp = prepare_input(input, fn, "input")
+    if out.dtype != inp.dtype:
+        _check_dtype(fn, out, "output", inp, "input")
+    if out.ndim == 0 or inp.ndim == 0:
+        raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
+    if out.shape[1:] != inp.shape[1:]:
+        raise ValueError(f"{fn}: rows of output {out.shape[1:]} and input {inp.shape[1:]} must have the same shape")
+    row = math.prod(inp.shape[1:])
+    in_counts = _split_counts(input_split_sizes, inp.shape[0], row, n, fn, "input_split_sizes", "input")
+    out_counts = _split_counts(output_split_sizes, out.shape[0], row, n, fn, "output_split_sizes", "output")
+    if in_counts is None and out_counts is None:
+        if out.shape[0] != inp.shape[0]:
+            raise ValueError(
+                f"{fn}: output has {out.shape[0]} rows but input has {inp.shape[0]}; with even splits they must match"
+            )
+    else:
+        if in_counts is None:
+            in_counts = [inp.size // n] * n
+        if out_counts is None:
+            out_counts = [out.size // n] * n
+    w = impl.all_to_all_single(out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op)
+    if w is not None:
+        w._outputs = [output]
+    return w
+
+
+def all_to_all(
+    output_tensor_list: list[Any], input_tensor_list: list[Any], group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Send ``input_tensor_list[i]`` to rank ``i``; receive rank ``i``'s array into ``output_tensor_list[i]``.
+
+    Arrays may have any (uneven) sizes as long as each pair of ranks agrees.
+    """
+    fn = "all_to_all"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", impl.size)
+    ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", impl.size)
+    _same_dtype(fn, outs[0], "output_tensor_list[0]", outs, "output_tensor_list")
+    _same_dtype(fn, outs[0], "output_tensor_list[0]", ins, "input_tensor_list")
+    me = impl.rank
+    if outs[me].size != ins[me].size:
+        raise ValueError(
+            f"{fn}: output_tensor_list[{me}] has {outs[me].size} elements but input_tensor_list[{me}] "
+            f"(sent to this rank itself) has {ins[me].size}; they must match"
+        )
+    w = impl.all_to_all(outs, backs or None, ins, async_op)
+    if w is not None:
+        w._outputs = [output_tensor_list]
+    return w
+
+
+def barrier(
+    group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None, timeout: Any = None
+) -> Work | None:
+    """Block until every rank of the group has entered the barrier.
+
+    ``timeout`` (timedelta or seconds) overrides the group's timeout for this call.
+    ``device_ids`` is accepted for torch compatibility.
+    """
+    fn = "barrier"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    if device_ids is not None and not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
+    if async_op or timeout is None:
+        return pg.impl.barrier(async_op)
+    w = pg.impl.barrier(True)
+    if w is not None:
+        w.wait(timeout)
+    return None
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    """A barrier bounded by ``timeout`` (default: the group's timeout)."""
+    if not isinstance(wait_all_ranks, bool):
+        raise TypeError(f"monitored_barrier: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
+    barrier(group, timeout=timeout)
+
+
+def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool) -> list[np.ndarray]:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{fn}: {arg} must be a list of arrays, got {type(tensors).__name__}")
+    arrays = [as_array(t, fn, f"{arg}[{i}]", writeable) for i, t in enumerate(tensors)]
+    if arrays:
+        _same_dtype(fn, arrays[0], f"{arg}[0]", arrays, arg)
+    return arrays
+
+
+def _pack(arrays: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    packed = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.empty(0, dtype)
+    world.stats.count_copy(packed.nbytes)
+    return packed
+
+
+def all_reduce_coalesced(
+    tensors: list[Any], op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer)."""
+    fn = "all_reduce_coalesced"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    arrays = _flat_list(tensors, fn, "tensors", writeable=True)
+    if not arrays:
+        raise ValueError(f"{fn}: tensors must not be empty")
+    packed = _pack(arrays, arrays[0].dtype)
+    backs, offset = [], 0
+    for a in arrays:
+        backs.append((packed[offset : offset + a.size], a))
+        offset += a.size
+    w = pg.impl.all_reduce(packed, backs, op, async_op)
+    if w is not None:
+        w._outputs = list(tensors)
+    return w
+
+
+def all_gather_coalesced(
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Gather several arrays of one dtype with a single MPI call.
+
+    ``output_tensor_lists[r][i]`` receives rank ``r``'s ``input_tensor_list[i]``.
+    """
+    fn = "all_gather_coalesced"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    n = pg.impl.size
+    ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False)
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:
+        raise ValueError(f"{fn}: output_tensor_lists must be a list with one list per rank ({n})")
+    outs = [_flat_list(lst, fn, f"output_tensor_lists[{r}]", writeable=True) for r, lst in enumerate(output_tensor_lists)]
+    dtype = ins[0].dtype if ins else np.dtype(np.uint8)
+    for r, lst in enumerate(outs):
+        if len(lst) != len(ins):
+            raise ValueError(f"{fn}: output_tensor_lists[{r}] has {len(lst)} arrays but input_tensor_list has {len(ins)}")
+        for i, (o, a) in enumerate(zip(lst, ins)):
+            if o.dtype != dtype or o.size != a.size:
+                raise ValueError(
+                    f"{fn}: output_tensor_lists[{r}][{i}] is {o.dtype.name} with {o.size} elements; "
+                    f"expected {dtype.name} with {a.size} like input_tensor_list[{i}]"
+                )
+    packed = _pack(ins, dtype)
+    total = packed.size
+    flat = np.empty(n * total, dtype)
+    world.stats.count_copy(flat.nbytes)
+    backs = []
+    for r, lst in enumerate(outs):
+        offset = r * total
+        for o in lst:
+            backs.append((flat[offset : offset + o.size], o))
+            offset += o.size
+    w = pg.impl.all_gather_into_tensor(flat, backs, packed, async_op)
+    if w is not None:
+        w._outputs = [output_tensor_lists]
+    return w

@@ -1,0 +1,238 @@
+"""Creating process groups: ``new_group``, ``new_subgroups``, rank translation.
+
+Every group is a private MPI communicator derived from the library's control
+communicator (a duplicate of ``MPI.COMM_WORLD``, so group ranks and global ranks
+agree with MPI's world ranks). ``new_group`` uses ``MPI_Comm_create`` (every rank
+calls) or, with ``use_local_synchronization=True``, ``MPI_Comm_create_group``
+(only members call). Subgroups come from one ``MPI_Comm_split``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from datetime import timedelta
+from typing import Any, Sequence
+
+from ._world import world
+from .backends.registry import BackendOptions, create_backend, parse_backend
+from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
+from .work import timeout_seconds
+
+__all__ = [
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "get_group_rank",
+    "get_global_rank",
+    "get_process_group_ranks",
+    "make_group",
+    "timeout_arg",
+]
+
+
+def timeout_arg(timeout: Any, fn: str, default: timedelta) -> timedelta:
+    """Return a ``timeout`` argument (timedelta or seconds; None for ``default``) as a timedelta."""
+    seconds = timeout_seconds(timeout, fn, default.total_seconds())
+    return timedelta(seconds=seconds)
+
+
+def make_group(
+    comm: Any,
+    ranks: list[int],
+    devices: dict[str, str],
+    timeout: timedelta,
+    pg_options: Any,
+    name: str,
+    group_desc: str | None = None,
+    store: Any = None,
+) -> ProcessGroup:
+    """Build and register the ProcessGroup of ``comm`` (this rank is a member)."""
+    backend_name = devices["cpu"]
+    options = BackendOptions(store, comm.Get_rank(), comm.Get_size(), timeout, name, list(ranks), comm)
+    try:
+        impl = create_backend(backend_name, options, pg_options)
+    except BaseException:
+        comm.Free()
+        raise
+    pg = ProcessGroup(impl, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "")
+    world.register_group(pg)
+    return pg
+
+
+def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple, range, set, frozenset)):
+        raise TypeError(f"{fn}: {arg} must be a list of int ranks, got {type(ranks).__name__}")
+    out = [rank_int(r, fn, arg) for r in ranks]
+    bad = [r for r in out if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"{fn}: {arg} contains rank(s) {bad} outside the world of size {size}")
+    if len(set(out)) != len(out):
+        dups = sorted({r for r in out if out.count(r) > 1})
+        raise ValueError(f"{fn}: {arg} lists rank(s) {dups} more than once")
+    return sorted(out)
+
+
+def _group_settings(fn: str, timeout: Any, backend: Any) -> tuple[ProcessGroup, timedelta, dict[str, str]]:
+    default = resolve_group(None, fn)
+    assert default is not None
+    td = default.timeout if timeout is None else timeout_arg(timeout, fn, default.timeout)
+    devices = default.devices if backend is None else parse_backend(backend, fn)
+    return default, td, devices
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+) -> ProcessGroup | Any:
+    """Create a process group of the global ``ranks`` (all ranks if None).
+
+    Every rank of the default group must call it, in the same order, unless
+    ``use_local_synchronization=True``: then only the members call it (MPI's
+    group-local communicator creation). Group ranks follow the sorted global ranks.
+
+    Returns the new ProcessGroup on members and ``GroupMember.NON_GROUP_MEMBER``
+    elsewhere; collectives on that are no-ops and ``get_rank`` of it is -1.
+
+    Example (``mpiexec -n 4``)::
+
+        >>> odd = dist.new_group([1, 3])
+        >>> dist.get_rank(odd)      # 0 on rank 1, 1 on rank 3, -1 on ranks 0 and 2
+    """
+    fn = "new_group"
+    default, td, devices = _group_settings(fn, timeout, backend)
+    size = default.size()
+    members = list(range(size)) if ranks is None else _rank_list(ranks, size, fn)
+    me = world.default_pg.rank() if world.default_pg is not None else -1
+    control = world.control_comm
+    with world.lock:
+        mpi_group = control.Get_group().Incl(members)
+        try:
+            if use_local_synchronization:
+                if me not in members:
+                    return NON_GROUP_MEMBER
+                digest = zlib.crc32(",".join(map(str, members)).encode())
+                comm = control.Create_group(mpi_group, digest % 32768)
+                name = f"local-{digest:08x}"
+            else:
+                comm = control.Create(mpi_group)
+                name = world.next_group_name()
+        finally:
+            mpi_group.Free()
+        if me not in members:
+            return NON_GROUP_MEMBER
+        return make_group(comm, members, devices, td, pg_options, name, group_desc)
+
+
+def _split(
+    rank_lists: list[list[int]], td: timedelta, devices: dict[str, str], pg_options: Any, group_desc: str | None
+) -> tuple[ProcessGroup | None, list[Any]]:
+    """Create one group per list with a single MPI_Comm_split; return (mine, all)."""
+    from mpi4py import MPI
+
+    me = world.default_pg.rank() if world.default_pg is not None else -1
+    color = next((i for i, lst in enumerate(rank_lists) if me in lst), MPI.UNDEFINED)
+    key = rank_lists[color].index(me) if color != MPI.UNDEFINED else 0
+    with world.lock:
+        comm = world.control_comm.Split(color, key)
+        names = [world.next_group_name() for _ in rank_lists]
+        mine = None
+        if color != MPI.UNDEFINED:
+            mine = make_group(comm, rank_lists[color], devices, td, pg_options, names[color], group_desc)
+    return mine, [mine if i == color else NON_GROUP_MEMBER for i in range(len(rank_lists))]
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[Any]]:
+    """Split ``group`` (default: the world) into equal subgroups of ``group_size`` consecutive ranks.
+
+    ``group_size`` defaults to the number of ranks per node (MPI's shared-memory
+    split). Every rank of the default group calls it. Returns
+    ``(this rank's subgroup, list of all subgroups)``, non-member entries being
+    ``GroupMember.NON_GROUP_MEMBER``.
+
+    Example (``mpiexec -n 4``)::
+
+        >>> mine, all_groups = dist.new_subgroups(2)   # {0, 1} and {2, 3}
+    """
+    fn = "new_subgroups"
+    _, td, devices = _group_settings(fn, timeout, backend)
+    parent = resolve_group(group, fn)
+    if parent is None:
+        raise ValueError(f"{fn}: this rank is not a member of the group to split")
+    n = parent.size()
+    if group_size is None:
+        group_size = world.init_info.get("node_size", 1)
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"{fn}: group_size must be an int, got {type(group_size).__name__}")
+    if group_size <= 0:
+        raise ValueError(f"{fn}: group_size must be positive, got {group_size}")
+    if group_size > n or n % group_size:
+        raise ValueError(f"{fn}: the group size {n} must be divisible by group_size={group_size}")
+    lists = [parent.ranks[i : i + group_size] for i in range(0, n, group_size)]
+    return _split(lists, td, devices, pg_options, group_desc)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[Any]]:
+    """Create one subgroup per list of global ranks; a rank may be in at most one.
+
+    Every rank of the default group calls it. Returns ``(this rank's subgroup or
+    None, list of all subgroups)``.
+
+    Example (``mpiexec -n 4``)::
+
+        >>> mine, groups = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    """
+    fn = "new_subgroups_by_enumeration"
+    default, td, devices = _group_settings(fn, timeout, backend)
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
+        raise ValueError(f"{fn}: ranks_per_subgroup_list must be a non-empty list of lists of ranks")
+    lists = [
+        _rank_list(r, default.size(), fn, f"ranks_per_subgroup_list[{i}]")
+        for i, r in enumerate(ranks_per_subgroup_list)
+    ]
+    seen: dict[int, int] = {}
+    for i, lst in enumerate(lists):
+        for r in lst:
+            if r in seen:
+                raise ValueError(f"{fn}: rank {r} appears in subgroups {seen[r]} and {i}; subgroups must not overlap")
+            seen[r] = i
+    return _split(lists, td, devices, pg_options, group_desc)
+
+
+def _member_group(group: Any, fn: str) -> ProcessGroup:
+    pg = resolve_group(group, fn)
+    if pg is None:
+        raise ValueError(f"{fn}: this rank is not a member of the group")
+    return pg
+
+
+def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
+    """Translate a global rank into a rank of ``group`` (RankNotInGroupError if absent)."""
+    return _member_group(group, "get_group_rank").group_rank(global_rank)
+
+
+def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """Translate a rank of ``group`` into a global rank."""
+    return _member_group(group, "get_global_rank").global_rank(group_rank)
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """Return the global ranks of ``group``'s members, in group-rank order."""
+    return list(_member_group(group, "get_process_group_ranks").ranks)

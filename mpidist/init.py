@@ -1,0 +1,316 @@
+"""Starting and ending mpidist: ``init_process_group``, ``destroy_process_group`` and queries.
+
+Under an MPI launcher (``mpiexec``, ``mpirun``, ``srun`` with PMI) rank and world
+size come from MPI; a plain ``python script.py`` is a world of one process.
+Arguments and environment variables that name a rank or world size are checked
+against MPI on every rank together, so all ranks raise the same ValueError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from ._world import world
+from .backends.registry import Backend, nccl_importable, parse_backend
+from .groups import make_group, timeout_arg
+from .process_group import ProcessGroup, resolve_group
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "is_initialized",
+    "is_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_gloo_available",
+    "is_ucc_available",
+    "is_backend_available",
+    "is_torchelastic_launched",
+    "get_backend",
+    "get_rank",
+    "get_world_size",
+    "get_node_local_rank",
+    "get_pg_count",
+    "default_pg_timeout",
+]
+
+#: torch.distributed's default timeout for process groups (30 minutes)
+default_pg_timeout = timedelta(minutes=30)
+
+_SCHEMES = ("env", "tcp", "file")
+
+
+def _int_arg(value: Any, fn: str, arg: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < -1:
+        raise ValueError(f"{fn}: {arg} must be -1 (take it from MPI) or a non-negative int, got {value}")
+    return value
+
+
+def _claims(init_method: str | None, rank: int, world_size: int, fn: str) -> list[tuple[str, str, int]]:
+    """Collect every place that states a rank or world size: (where, what, value)."""
+    claims: list[tuple[str, str, int]] = []
+    if rank != -1:
+        claims.append(("the rank argument", "rank", rank))
+    if world_size != -1:
+        claims.append(("the world_size argument", "world_size", world_size))
+    scheme = "env"
+    if init_method is not None:
+        if not isinstance(init_method, str):
+            raise TypeError(f"{fn}: init_method must be a URL string, got {type(init_method).__name__}")
+        url = urlparse(init_method)
+        scheme = url.scheme
+        if scheme not in _SCHEMES:
+            raise ValueError(f"{fn}: init_method {init_method!r} must start with env://, tcp:// or file://")
+        query = parse_qs(url.query)
+        for what in ("rank", "world_size"):
+            if what in query:
+                try:
+                    claims.append((f"init_method's {what}=", what, int(query[what][0])))
+                except ValueError:
+                    raise ValueError(f"{fn}: init_method's {what}= must be an int, got {query[what][0]!r}") from None
+    if scheme == "env":
+        for var, what in (("RANK", "rank"), ("WORLD_SIZE", "world_size")):
+            text = os.environ.get(var)
+            if text is not None and text.strip():
+                try:
+                    claims.append((f"the environment variable {var}", what, int(text)))
+                except ValueError:
+                    raise ValueError(f"{fn}: environment variable {var}={text!r} is not an int") from None
+    return claims
+
+
+def _disagreements(claims: list[tuple[str, str, int]], mpi_rank: int, mpi_size: int) -> str:
+    actual = {"rank": mpi_rank, "world_size": mpi_size}
+    bad = [f"{where} says {what}={value} but MPI says {actual[what]}" for where, what, value in claims if value != actual[what]]
+    if not bad:
+        return ""
+    msg = "; ".join(bad)
+    if mpi_size == 1 and any(what == "world_size" and value > 1 for _, what, value in claims):
+        msg += (
+            ". This process was not started by an MPI launcher (MPI's world has 1 process): "
+            "start all processes with `mpiexec -n N python script.py` (or mpirun, srun)"
+        )
+    return msg
+
+
+def _agree(comm: Any, local_error: str, fn: str) -> None:
+    """Raise the same ValueError on every rank if any rank found a problem."""
+    errors = comm.allgather(local_error)
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if bad:
+        raise ValueError(f"{fn}: " + " | ".join(bad))
+
+
+def init_process_group(
+    backend: Any = None,
+    init_method: str | None = None,
+    timeout: Any = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Initialize the default process group (the world) over MPI.
+
+    Args:
+        backend: ``"mpi"`` (default when None), a registered backend, or a
+            per-device string such as ``"cpu:mpi,cuda:nccl"``.
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
+            Under an MPI launcher the processes are already connected; a rank or
+            world size it states (``?rank=0&world_size=4``) is checked against MPI.
+        timeout: bound on every blocking call of the group (timedelta or
+            seconds; default 30 minutes).
+        world_size, rank: optional; must agree with MPI when given (as must the
+            ``RANK``/``WORLD_SIZE`` environment variables with ``env://``).
+        store: a key-value store; mutually exclusive with ``init_method``.
+        group_name: ignored (deprecated in torch).
+        pg_options: passed to the backend factory.
+        device_id: accepted for torch compatibility; unused for host arrays.
+
+    Raises:
+        RuntimeError: already initialized.
+        ValueError: a rank or world size disagrees with MPI (on every rank).
+
+    Example (``mpiexec -n 2 python script.py``)::
+
+        >>> import mpidist as dist
+        >>> dist.init_process_group()
+        >>> dist.get_rank(), dist.get_world_size()
+        (0, 2)
+    """
+    fn = "init_process_group"
+    with world.lock:
+        if world.default_pg is not None:
+            raise RuntimeError(f"{fn}: the default process group is already initialized; call destroy_process_group() first")
+        td = timeout_arg(timeout, fn, default_pg_timeout)
+        devices = parse_backend(backend, fn)
+        if init_method is not None and store is not None:
+            raise ValueError(f"{fn}: init_method and store are mutually exclusive; pass one of them")
+        rank = _int_arg(rank, fn, "rank")
+        world_size = _int_arg(world_size, fn, "world_size")
+        claims = _claims(init_method, rank, world_size, fn)
+
+        from mpi4py import MPI  # initializes MPI on first use
+
+        control = MPI.COMM_WORLD.Dup()
+        try:
+            mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
+            _agree(control, _disagreements(claims, mpi_rank, mpi_size), fn)
+            node = control.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_rank)
+            data = MPI.COMM_WORLD.Dup()
+        except BaseException:
+            control.Free()
+            raise
+        world.control_comm = control
+        world.node_comm = node
+        world.init_info = {
+            "node_rank": node.Get_rank(),
+            "node_size": node.Get_size(),
+            "init_method": init_method or "env://",
+            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+            "tag_ub": int(control.Get_attr(MPI.TAG_UB)),
+        }
+        try:
+            pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg", store)
+        except BaseException:
+            _free_world_comms()
+            world.reset()
+            raise
+        world.default_pg = pg
+
+
+def _free_world_comms() -> None:
+    for comm in (world.node_comm, world.control_comm):
+        if comm is not None:
+            comm.Free()
+
+
+def _retire(pg: ProcessGroup) -> None:
+    pg.destroyed = True
+    pg.impl.shutdown()
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy one process group, or all of them (and de-initialize) when ``group`` is None.
+
+    Destroying the default group destroys every group. Afterwards
+    ``init_process_group()`` may be called again; MPI itself stays initialized
+    until the process exits.
+
+    Example::
+
+        >>> dist.destroy_process_group()
+        >>> dist.is_initialized()
+        False
+    """
+    fn = "destroy_process_group"
+    with world.lock:
+        pg = resolve_group(group, fn)
+        if pg is None:  # this rank is not a member: nothing to free here
+            return
+        if pg is world.default_pg:
+            for member in list(world.groups.values()):
+                _retire(member)
+            _free_world_comms()
+            world.reset()
+        else:
+            _retire(pg)
+            world.groups.pop(pg.group_name, None)
+
+
+def is_initialized() -> bool:
+    """Return True if the default process group is initialized."""
+    return world.default_pg is not None
+
+
+def is_available() -> bool:
+    """Return True: mpidist is usable wherever it imports."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    """Return True if mpi4py (and with it an MPI library) can be used."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def is_nccl_available() -> bool:
+    """Return True if cupy's NCCL bindings are installed."""
+    return nccl_importable()
+
+
+def is_gloo_available() -> bool:
+    """Return False: mpidist has no gloo backend (MPI runs CPU collectives)."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """Return False: mpidist has no ucc backend."""
+    return False
+
+
+def is_backend_available(backend: str) -> bool:
+    """Return True if ``backend`` names a backend mpidist can create."""
+    name = Backend(backend)
+    if name == Backend.MPI:
+        return is_mpi_available()
+    if name == Backend.NCCL:
+        return False  # arrives with device-array support
+    entry = world.backends.get(name)
+    return entry is not None and not entry.builtin
+
+
+def is_torchelastic_launched() -> bool:
+    """Return True if started by torchelastic (``TORCHELASTIC_RUN_ID`` is set)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_backend(group: ProcessGroup | None = None) -> Backend:
+    """Return the backend name of ``group`` (default: the world), e.g. ``"mpi"``."""
+    pg = resolve_group(group, "get_backend")
+    if pg is None:
+        raise ValueError("get_backend: this rank is not a member of the group")
+    return Backend(pg.backend_name)
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """Return this process's rank in ``group`` (default: the world); -1 if not a member."""
+    pg = resolve_group(group, "get_rank")
+    return -1 if pg is None else pg.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Return the size of ``group`` (default: the world); -1 if not a member."""
+    pg = resolve_group(group, "get_world_size")
+    return -1 if pg is None else pg.size()
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """Return this process's rank among the processes of its node.
+
+    Taken from ``LOCAL_RANK`` if set, else from MPI's shared-memory split once
+    initialized, else ``fallback_rank``.
+    """
+    text = os.environ.get("LOCAL_RANK")
+    if text is not None:
+        return int(text)
+    if world.default_pg is not None:
+        return int(world.init_info["node_rank"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "get_node_local_rank: LOCAL_RANK is not set, the process group is not initialized and no fallback_rank was given"
+    )
+
+
+def get_pg_count() -> int:
+    """Return the number of live process groups (the default group included)."""
+    return len(world.groups)

@@ -1,0 +1,299 @@
+"""Collectives on picklable Python objects.
+
+Objects are pickled with protocol 5; large buffers inside them (numpy arrays,
+bytes-like objects that support out-of-band pickling) travel as separate frames
+of one byte payload, and on the receiving side they are rebuilt on the received
+memory without another copy. Sizes are 64-bit, so objects over 2 GiB work.
+
+.. warning::
+   These functions unpickle what other ranks send. Unpickling untrusted data can
+   execute arbitrary code: only use them among processes you trust.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from ._world import world
+from .collectives import root_rank
+from .process_group import ProcessGroup, resolve_group
+
+__all__ = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "dumps",
+    "loads",
+]
+
+_ALIGN = 64
+_I64 = np.dtype(np.int64)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def dumps(obj: Any) -> np.ndarray:
+    """Serialize ``obj`` into one uint8 payload: a header of frame sizes, then the frames.
+
+    Frame 0 is the pickle stream (protocol 5); the others are its out-of-band
+    buffers, each starting at a 64-byte boundary.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    main = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    frames = [memoryview(main)] + [b.raw() for b in buffers]
+    header = np.array([len(frames)] + [f.nbytes for f in frames], _I64)
+    offset = _aligned(header.nbytes)
+    payload = np.empty(offset + sum(_aligned(f.nbytes) for f in frames), np.uint8)
+    payload[: header.nbytes] = header.view(np.uint8)
+    for f in frames:
+        payload[offset : offset + f.nbytes] = np.frombuffer(f, np.uint8)
+        offset += _aligned(f.nbytes)
+    return payload
+
+
+def loads(payload: np.ndarray) -> Any:
+    """Rebuild the object of a :func:`dumps` payload; buffers alias ``payload`` (no copy)."""
+    count = int(payload[:8].view(_I64)[0])
+    sizes = payload[8 : 8 * (count + 1)].view(_I64)
+    view = memoryview(payload)
+    offset = _aligned(8 * (count + 1))
+    frames = []
+    for size in sizes.tolist():
+        frames.append(view[offset : offset + size])
+        offset += _aligned(size)
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def _check_list(value: Any, fn: str, arg: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{fn}: {arg} must be a list, got {type(value).__name__}")
+    return value
+
+
+def broadcast_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+) -> None:
+    """Replace ``object_list``'s items on every rank with those of rank ``src`` (default 0).
+
+    Every rank passes a list of the same length. ``device`` is accepted for torch
+    compatibility. Unpickles data from ``src``: use only with trusted peers.
+
+    Example (``mpiexec -n 3``)::
+
+        >>> objs = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None] * 3
+        >>> dist.broadcast_object_list(objs, src=0)
+        >>> objs
+        ['foo', 12, {1: 2}]
+    """
+    fn = "broadcast_object_list"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    _check_list(object_list, fn, "object_list")
+    impl = pg.impl
+    if impl.rank == root:
+        payload = dumps(list(object_list))
+        head = np.array([payload.size, len(object_list)], _I64)
+    else:
+        head = np.empty(2, _I64)
+    impl.broadcast(head, None, root, False)
+    if impl.rank != root:
+        payload = np.empty(int(head[0]), np.uint8)
+    impl.broadcast(payload, None, root, False)
+    if impl.rank != root:
+        if int(head[1]) != len(object_list):
+            raise ValueError(
+                f"{fn}: object_list has {len(object_list)} items here but {int(head[1])} on the "
+                "source rank; every rank must pass a list of the same length"
+            )
+        object_list[:] = loads(payload)
+    return None
+
+
+def _exchange_sizes(impl: Any, mine: int) -> np.ndarray:
+    sizes = np.empty(impl.size, _I64)
+    impl.all_gather_into_tensor(sizes, None, np.array([mine], _I64), False)
+    return sizes
+
+
+def _slices(sizes: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One buffer for all payloads and consecutive views of it, one per rank."""
+    big = np.empty(int(sizes.sum()), np.uint8)
+    views, offset = [], 0
+    for s in sizes.tolist():
+        views.append(big[offset : offset + s])
+        offset += s
+    return big, views
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
+    """Fill ``object_list`` (one slot per rank) with every rank's ``obj``.
+
+    Unpickles data from every rank: use only with trusted peers.
+
+    Example (``mpiexec -n 3``)::
+
+        >>> out = [None] * 3
+        >>> dist.all_gather_object(out, ["foo", 12, {1: 2}][dist.get_rank()])
+        >>> out
+        ['foo', 12, {1: 2}]
+    """
+    fn = "all_gather_object"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    impl = pg.impl
+    _check_list(object_list, fn, "object_list")
+    if len(object_list) != impl.size:
+        raise ValueError(f"{fn}: object_list has {len(object_list)} slots but the group has {impl.size} ranks")
+    mine = dumps(obj)
+    sizes = _exchange_sizes(impl, mine.size)
+    _, views = _slices(sizes)
+    impl.all_gather(views, None, mine, False)
+    for i, v in enumerate(views):
+        object_list[i] = loads(v)
+    return None
+
+
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    group_dst: int | None = None,
+) -> None:
+    """Gather every rank's ``obj`` into ``object_gather_list`` on rank ``dst`` (default 0).
+
+    ``object_gather_list`` has one slot per rank on ``dst`` and is None elsewhere.
+    Unpickles data from every rank: use only with trusted peers.
+    """
+    fn = "gather_object"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
+    impl = pg.impl
+    at_root = impl.rank == root
+    if at_root:
+        slots = _check_list(object_gather_list, fn, "object_gather_list")
+        if len(slots) != impl.size:
+            raise ValueError(f"{fn}: object_gather_list has {len(slots)} slots but the group has {impl.size} ranks")
+    elif object_gather_list:
+        raise ValueError(f"{fn}: object_gather_list must be None on non-destination ranks")
+    mine = dumps(obj)
+    sizes = np.empty(impl.size, _I64)
+    impl.gather(np.array([mine.size], _I64), [sizes[i : i + 1] for i in range(impl.size)] if at_root else None, None, root, False)
+    views = _slices(sizes)[1] if at_root else None
+    impl.gather(mine, views, None, root, False)
+    if views is not None:
+        for i, v in enumerate(views):
+            slots[i] = loads(v)
+    return None
+
+
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    group_src: int | None = None,
+) -> None:
+    """Send ``scatter_object_input_list[i]`` from rank ``src`` (default 0) to rank ``i``.
+
+    Each rank finds its object in ``scatter_object_output_list[0]`` (a non-empty
+    list). Unpickles data from ``src``: use only with trusted peers.
+    """
+    fn = "scatter_object_list"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    impl = pg.impl
+    _check_list(scatter_object_output_list, fn, "scatter_object_output_list")
+    if not scatter_object_output_list:
+        raise ValueError(f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives)")
+    size = np.empty(1, _I64)
+    if impl.rank == root:
+        objs = _check_list(scatter_object_input_list, fn, "scatter_object_input_list")
+        if len(objs) != impl.size:
+            raise ValueError(f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks")
+        payloads = [dumps(o) for o in objs]
+        sizes = np.array([p.size for p in payloads], _I64)
+        impl.scatter(size, None, [sizes[i : i + 1] for i in range(impl.size)], root, False)
+    else:
+        payloads = None
+        impl.scatter(size, None, None, root, False)
+    mine = np.empty(int(size[0]), np.uint8)
+    impl.scatter(mine, None, payloads, root, False)
+    scatter_object_output_list[0] = loads(mine)
+    return None
+
+
+def _object_tag() -> int:
+    return int(world.init_info.get("tag_ub", 32767))
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
+    """Send the objects of ``object_list`` to ``dst`` (matched by ``recv_object_list``)."""
+    fn = "send_object_list"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return None
+    peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
+    _check_list(object_list, fn, "object_list")
+    payload = dumps(list(object_list))
+    tag = _object_tag()
+    pg.impl.send(np.array([payload.size, len(object_list)], _I64), peer, tag).wait()
+    pg.impl.send(payload, peer, tag).wait()
+    return None
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> int:
+    """Receive objects sent by ``send_object_list`` into ``object_list``; return the sender's global rank.
+
+    Unpickles data from the sender: use only with trusted peers.
+    """
+    fn = "recv_object_list"
+    pg = resolve_group(group, fn)
+    if pg is None:
+        return -1
+    _check_list(object_list, fn, "object_list")
+    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, fn, ("src", "group_src"))
+    tag = _object_tag()
+    head = np.empty(2, _I64)
+    w = pg.impl.recv(head, None, peer, tag)
+    w.wait()
+    sender = w.source_rank()
+    payload = np.empty(int(head[0]), np.uint8)
+    pg.impl.recv(payload, None, sender, tag).wait()
+    if int(head[1]) != len(object_list):
+        raise ValueError(f"{fn}: object_list has {len(object_list)} slots but {int(head[1])} objects arrived")
+    object_list[:] = loads(payload)
+    return pg.ranks[sender]

@@ -1,0 +1,198 @@
+"""Point-to-point: ``send``, ``recv``, ``isend``, ``irecv``, ``P2POp``, ``batch_isend_irecv``.
+
+Peers are global ranks (``dst``/``src``/``peer``) or group ranks
+(``group_dst``/``group_src``/``group_peer``). Messages match by (group, source,
+tag) in the order they were posted, as in MPI. A receive checks that the message
+has exactly the receiving array's size; ``recv(src=None)`` takes a message from
+any rank and returns the sender's global rank.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+from ._arrays import prepare_input, prepare_output
+from ._world import world
+from .collectives import root_rank
+from .process_group import ProcessGroup, resolve_group
+from .work import Work
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
+
+_DST = ("dst", "group_dst")
+_SRC = ("src", "group_src")
+
+
+def _tag(tag: Any, fn: str) -> int:
+    if isinstance(tag, bool) or not hasattr(tag, "__index__"):
+        raise TypeError(f"{fn}: tag must be an int, got {type(tag).__name__}")
+    t = operator.index(tag)
+    upper = world.init_info.get("tag_ub", 32767)
+    if not 0 <= t <= upper:
+        raise ValueError(f"{fn}: tag must be between 0 and {upper} (MPI_TAG_UB of this MPI library), got {t}")
+    return t
+
+
+def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
+    if peer == pg.rank():
+        raise ValueError(
+            f"{fn}: the {what} rank is this process itself; a blocking {fn} to self would "
+            f"deadlock (use i{fn} with a matching receive/send, or another rank)"
+        )
+
+
+def _start_send(pg: ProcessGroup, tensor: Any, peer: int, tag: Any, fn: str) -> Work:
+    buf = prepare_input(tensor, fn, "tensor")
+    w = pg.impl.send(buf, peer, _tag(tag, fn))
+    w._outputs = [tensor]
+    return w
+
+
+def _start_recv(pg: ProcessGroup, tensor: Any, peer: int | None, tag: Any, fn: str) -> Work:
+    buf, target = prepare_output(tensor, fn, "tensor")
+    w = pg.impl.recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
+    w._outputs = [tensor]
+    return w
+
+
+def isend(
+    tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
+) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; returns a Work (None if not a member of ``group``).
+
+    Do not modify ``tensor`` until the Work completes.
+    """
+    pg = resolve_group(group, "isend")
+    if pg is None:
+        return None
+    return _start_send(pg, tensor, root_rank(pg, dst, group_dst, "isend", _DST), tag, "isend")
+
+
+def irecv(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
+) -> Work | None:
+    """Start receiving into ``tensor`` from ``src`` (any rank if None); returns a Work."""
+    pg = resolve_group(group, "irecv")
+    if pg is None:
+        return None
+    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, "irecv", _SRC)
+    return _start_recv(pg, tensor, peer, tag, "irecv")
+
+
+def send(
+    tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
+) -> None:
+    """Send ``tensor`` to ``dst`` and wait until the send buffer may be reused.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> if dist.get_rank() == 0:
+        ...     dist.send(np.arange(4.0), dst=1)
+        ... else:
+        ...     x = np.empty(4); dist.recv(x, src=0)     # returns 0
+    """
+    pg = resolve_group(group, "send")
+    if pg is None:
+        return None
+    peer = root_rank(pg, dst, group_dst, "send", _DST)
+    _not_self(pg, peer, "send", "destination")
+    _start_send(pg, tensor, peer, tag, "send").wait()
+    return None
+
+
+def recv(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
+) -> int:
+    """Receive into ``tensor`` from ``src`` (any rank if None); return the sender's global rank.
+
+    Returns -1 if this rank is not a member of ``group``.
+    """
+    pg = resolve_group(group, "recv")
+    if pg is None:
+        return -1
+    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, "recv", _SRC)
+    if peer is not None:
+        _not_self(pg, peer, "recv", "source")
+    w = _start_recv(pg, tensor, peer, tag, "recv")
+    w.wait()
+    return pg.ranks[w.source_rank()]
+
+
+class P2POp:
+    """One operation for :func:`batch_isend_irecv`: ``op`` is ``isend`` or ``irecv``.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> rank, n = dist.get_rank(), dist.get_world_size()
+        >>> out, inp = np.arange(2) + 2 * rank, np.empty(2, np.int64)
+        >>> reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, (rank + 1) % n),
+        ...                                dist.P2POp(dist.irecv, inp, (rank - 1) % n)])
+        >>> for r in reqs: r.wait()
+        >>> inp                        # [2, 3] on rank 0, [0, 1] on rank 1
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: Any,
+        peer: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
+        fn = "P2POp"
+        if op is not isend and op is not irecv:
+            raise ValueError(f"{fn}: op must be mpidist.isend or mpidist.irecv, got {op!r}")
+        if peer is None and group_peer is None:
+            raise ValueError(f"{fn}: peer (a global rank) or group_peer (a group rank) is required")
+        self.op = op
+        self.tensor = tensor
+        self.group = group
+        self.tag = tag
+        pg = resolve_group(group, fn)
+        if pg is None:  # not a member: batch_isend_irecv skips it
+            self.peer, self.group_peer = peer, group_peer
+            return
+        self.group_peer = root_rank(pg, peer, group_peer, fn, ("peer", "group_peer"))
+        self.peer = pg.ranks[self.group_peer]
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
+    """Post every send and receive of ``p2p_op_list`` at once; return their Works.
+
+    All operations are validated before any is posted. Ranks pair up their
+    operations in list order per peer, as with ``isend``/``irecv``.
+    """
+    fn = "batch_isend_irecv"
+    if not isinstance(p2p_op_list, list) or not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError(f"{fn}: p2p_op_list must be a non-empty list of P2POp")
+    groups = {id(p.group) for p in p2p_op_list}
+    if len(groups) != 1:
+        raise ValueError(f"{fn}: all operations must use the same group")
+    pg = resolve_group(p2p_op_list[0].group, fn)
+    if pg is None:
+        return []
+    prepared = []
+    for i, p in enumerate(p2p_op_list):
+        where = f"{fn}: p2p_op_list[{i}] ({p.op.__name__})"
+        tag = _tag(p.tag, where)
+        if p.op is isend:
+            prepared.append((True, prepare_input(p.tensor, where, "tensor"), None, p, tag))
+        else:
+            buf, target = prepare_output(p.tensor, where, "tensor")
+            prepared.append((False, buf, target, p, tag))
+    works = []
+    for is_send, buf, target, p, tag in prepared:
+        if is_send:
+            w = pg.impl.send(buf, p.group_peer, tag)
+        else:
+            w = pg.impl.recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
+        w._outputs = [p.tensor]
+        works.append(w)
+    return works

@@ -1,0 +1,267 @@
+"""Reduction operations: ``ReduceOp``, premultiplied sums, and the op table.
+
+The table says, for each kind of element (bool, signed, unsigned, float,
+complex), which element-wise primitive a ``ReduceOp`` becomes and what has to
+happen around it (AVG divides after summing, PREMUL_SUM multiplies before).
+Backends translate the primitives into their own ops (MPI.Op, ncclRedOp_t).
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from enum import IntEnum
+from typing import Any
+
+__all__ = [
+    "RedOpType",
+    "ReduceOp",
+    "reduce_op",
+    "make_premul_sum",
+    "_make_nccl_premul_sum",
+    "supports_complex",
+]
+
+
+class RedOpType(IntEnum):
+    """The reduction kinds, numbered as in torch.distributed."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+    UNUSED = 9
+
+
+class ReduceOp:
+    """An enum-like class of reductions: ``ReduceOp.SUM``, ``ReduceOp.MAX``, ...
+
+    Attributes such as ``ReduceOp.SUM`` are :class:`RedOpType` members and are
+    what collectives take as ``op``. Instances exist for ops that carry data:
+    ``_make_nccl_premul_sum(2.0)`` returns ``ReduceOp(PREMUL_SUM)`` with its factor.
+
+    ``AVG`` sums and then divides by the group size; on integer arrays the
+    division truncates toward zero, as NCCL's ``ncclAvg`` does.
+
+    Example::
+
+        >>> import mpidist as dist
+        >>> dist.ReduceOp.SUM
+        <RedOpType.SUM: 0>
+        >>> dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp.MAX
+        True
+    """
+
+    RedOpType = RedOpType
+    SUM = RedOpType.SUM
+    AVG = RedOpType.AVG
+    PRODUCT = RedOpType.PRODUCT
+    MIN = RedOpType.MIN
+    MAX = RedOpType.MAX
+    BAND = RedOpType.BAND
+    BOR = RedOpType.BOR
+    BXOR = RedOpType.BXOR
+    PREMUL_SUM = RedOpType.PREMUL_SUM
+    UNUSED = RedOpType.UNUSED
+
+    __slots__ = ("op", "factor")
+
+    def __init__(self, op: RedOpType | int = RedOpType.SUM, factor: Any = None) -> None:
+        if isinstance(op, ReduceOp):
+            op, factor = op.op, op.factor if factor is None else factor
+        if isinstance(op, bool) or not isinstance(op, int):
+            raise TypeError(f"ReduceOp: op must be a ReduceOp.RedOpType, got {op!r}")
+        try:
+            self.op = RedOpType(op)
+        except ValueError:
+            raise ValueError(f"ReduceOp: no reduction numbered {int(op)}") from None
+        self.factor = factor
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReduceOp):
+            return self.op == other.op and _same_factor(self.factor, other.factor)
+        if isinstance(other, RedOpType):
+            return self.factor is None and self.op == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.op)
+
+    def __repr__(self) -> str:
+        if self.op is RedOpType.PREMUL_SUM:
+            return f"ReduceOp.PREMUL_SUM({_factor_repr(self.factor)})"
+        return f"ReduceOp.{self.op.name}"
+
+
+def _same_factor(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return factor_value(a) == factor_value(b)
+
+
+def _factor_repr(factor: Any) -> str:
+    try:
+        return repr(factor_value(factor))
+    except (TypeError, ValueError):
+        return repr(factor)
+
+
+def factor_value(factor: Any) -> complex | float | int:
+    """Return the Python number a premul-sum factor stands for (read at call time)."""
+    if isinstance(factor, numbers.Number) and not isinstance(factor, bool):
+        return factor  # type: ignore[return-value]
+    size = getattr(factor, "size", None)
+    if callable(size):  # torch tensors: size() is a method, numel() the count
+        size = factor.numel()
+    if size == 1 and hasattr(factor, "item"):
+        return factor.item()
+    raise TypeError(
+        "_make_nccl_premul_sum: factor must be a real or complex number or a "
+        f"1-element array, got {type(factor).__name__}"
+        + (f" with {size} elements" if isinstance(size, int) else "")
+    )
+
+
+def make_premul_sum(factor: Any) -> ReduceOp:
+    """Return a PREMUL_SUM op: every rank's input is multiplied by ``factor``, then summed.
+
+    ``factor`` is a number or a 1-element array (read when the collective runs).
+    Defined for floating-point and complex arrays.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> x = np.ones(3, np.float32)
+        >>> dist.all_reduce(x, op=dist.make_premul_sum(0.5))   # x == [1., 1., 1.]
+    """
+    factor_value(factor)  # validate now, read again at call time
+    return ReduceOp(RedOpType.PREMUL_SUM, factor)
+
+
+_make_nccl_premul_sum = make_premul_sum
+
+
+def supports_complex(op: RedOpType | ReduceOp) -> bool:
+    """Return True if ``op`` is defined for complex arrays."""
+    base = op.op if isinstance(op, ReduceOp) else RedOpType(op)
+    return base in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
+
+
+class _DeprecatedReduceOp:
+    """Deprecated ``reduce_op``: attribute access warns and forwards to ``ReduceOp``."""
+
+    def __getattr__(self, name: str) -> RedOpType:
+        if name.startswith("_") or name not in RedOpType.__members__:
+            raise AttributeError(name)
+        warnings.warn(
+            "mpidist.reduce_op is deprecated, use mpidist.ReduceOp instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return RedOpType[name]
+
+    def __repr__(self) -> str:
+        return "<deprecated mpidist.reduce_op; use mpidist.ReduceOp>"
+
+
+reduce_op = _DeprecatedReduceOp()
+
+
+class Prim(IntEnum):
+    """Element-wise primitives that backends implement natively."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    BAND = 4
+    BOR = 5
+    BXOR = 6
+    LAND = 7
+    LOR = 8
+    LXOR = 9
+
+
+class Post(IntEnum):
+    """What surrounds the primitive."""
+
+    NONE = 0
+    AVG = 1  # divide by the group size afterwards
+    PREMUL = 2  # multiply the input by a factor beforehand
+
+
+_R = RedOpType
+_ARITH = {_R.SUM: Prim.SUM, _R.PRODUCT: Prim.PROD, _R.MIN: Prim.MIN, _R.MAX: Prim.MAX}
+_BITS = {_R.BAND: Prim.BAND, _R.BOR: Prim.BOR, _R.BXOR: Prim.BXOR}
+# Booleans reduce logically (torch maps SUM to "or" and PRODUCT to "and" for bool).
+_BOOL = {
+    _R.SUM: Prim.LOR,
+    _R.PRODUCT: Prim.LAND,
+    _R.MIN: Prim.LAND,
+    _R.MAX: Prim.LOR,
+    _R.BAND: Prim.LAND,
+    _R.BOR: Prim.LOR,
+    _R.BXOR: Prim.LXOR,
+}
+
+
+def _build(kind: str) -> tuple[tuple[Prim, Post] | None, ...]:
+    allowed: dict[RedOpType, tuple[Prim, Post]] = {}
+    if kind == "b":
+        allowed = {op: (p, Post.NONE) for op, p in _BOOL.items()}
+    else:
+        if kind in "iuf":
+            allowed.update({op: (p, Post.NONE) for op, p in _ARITH.items()})
+        if kind in "iu":
+            allowed.update({op: (p, Post.NONE) for op, p in _BITS.items()})
+        if kind == "c":
+            allowed[_R.SUM] = (Prim.SUM, Post.NONE)
+        allowed[_R.AVG] = (Prim.SUM, Post.AVG)
+        if kind in "fc":
+            allowed[_R.PREMUL_SUM] = (Prim.SUM, Post.PREMUL)
+    return tuple(allowed.get(op) for op in RedOpType)
+
+
+#: Per element kind, indexed by RedOpType: (primitive, post step) or None if undefined.
+OP_TABLE: dict[str, tuple[tuple[Prim, Post] | None, ...]] = {k: _build(k) for k in "biufc"}
+
+_KIND_WORDS = {"b": "bool", "i": "signed integer", "u": "unsigned integer", "f": "floating-point", "c": "complex"}
+
+
+def resolve(op: Any, fn: str) -> tuple[RedOpType, Any]:
+    """Return ``(op type, premul factor or None)`` for an ``op`` argument, or raise."""
+    if type(op) is RedOpType:
+        base, factor = op, None
+    elif isinstance(op, ReduceOp):
+        base, factor = op.op, op.factor
+    else:
+        raise TypeError(f"{fn}: op must be a ReduceOp such as ReduceOp.SUM, got {op!r}")
+    if base is RedOpType.UNUSED:
+        raise ValueError(f"{fn}: ReduceOp.UNUSED is not a reduction")
+    if base is RedOpType.PREMUL_SUM:
+        if factor is None:
+            raise ValueError(
+                f"{fn}: ReduceOp.PREMUL_SUM needs a factor; build it with "
+                "mpidist.make_premul_sum(factor) (alias _make_nccl_premul_sum)"
+            )
+        factor_value(factor)
+    return base, factor
+
+
+def invalid_op_error(fn: str, op: RedOpType, kind: str, dtype_name: str) -> ValueError:
+    """Build the error for an op that is undefined on this kind of element."""
+    valid = ", ".join(f"ReduceOp.{o.name}" for o in RedOpType if OP_TABLE[kind][o])
+    why = {
+        "c": "complex numbers have no order and no bitwise form",
+        "f": "bitwise operations need integers or bool",
+        "b": "bool arrays reduce logically; AVG and PREMUL_SUM need numbers",
+    }.get(kind, "")
+    reason = f" ({why})" if why else ""
+    return ValueError(
+        f"{fn}: ReduceOp.{op.name} is not defined for {dtype_name} arrays{reason}; "
+        f"valid for {_KIND_WORDS[kind]} arrays: {valid}"
+    )

@@ -1,0 +1,312 @@
+"""``Work`` (the handle of an asynchronous operation) and ``Future``.
+
+A Work wraps the MPI requests of one operation. It keeps every buffer the
+operation touches referenced until the requests complete, runs the finishing
+step (copying staged results back, dividing for AVG) exactly once, and
+completes its Future. There is no progress thread: ``is_completed()``,
+``wait()``, ``Future.done()`` and ``Future.wait()`` drive MPI's progress, so
+poll ``is_completed()`` from a compute loop to overlap communication.
+
+Example (``mpiexec -n 2``)::
+
+    >>> x = np.ones(1 << 20)
+    >>> work = dist.all_reduce(x, async_op=True)
+    >>> while not work.is_completed():
+    ...     do_some_compute()
+    >>> fut = work.get_future().then(lambda f: f.value()[0] / 2)
+    >>> fut.wait()[0]
+    1.0
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from .errors import DistBackendError
+
+__all__ = ["Work", "Future", "poll", "timeout_seconds"]
+
+_perf = time.perf_counter
+_SPIN_S = 100e-6  # poll flat out this long, then yield the CPU
+_YIELD_S = 20e-3  # then sched_yield between polls this long, then sleep
+
+
+def poll(test: Callable[[], Any], timeout_s: float, on_timeout: Callable[[float], None]) -> None:
+    """Call ``test()`` until it returns true; call ``on_timeout(elapsed)`` after ``timeout_s``.
+
+    Spins first (latency matters for small messages), then yields the CPU so that
+    oversubscribed ranks (more ranks than cores) still progress, then sleeps in
+    steps of at most 1 ms (at most ~1% of the time already waited).
+    """
+    start = _perf()
+    while True:
+        for _ in range(16):
+            if test():
+                return
+        waited = _perf() - start
+        if waited > timeout_s:
+            on_timeout(waited)
+            return
+        if waited > _YIELD_S:
+            time.sleep(min(1e-3, waited * 0.01))
+        elif waited > _SPIN_S:
+            os.sched_yield()
+
+
+def timeout_seconds(timeout: Any, fn: str, default: float) -> float:
+    """Return a timeout argument (timedelta, seconds, or None/0 for ``default``) in seconds."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{fn}: timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
+    if seconds < 0:
+        raise ValueError(f"{fn}: timeout must not be negative, got {seconds} s")
+    return seconds if seconds > 0 else default
+
+
+class Future:
+    """The result of an asynchronous operation, as ``torch.futures.Future``.
+
+    ``then(callback)`` returns a new Future completed with ``callback(self)``'s
+    return value (or its exception). Callbacks run in the thread that completes
+    the Future: the one calling ``wait()``/``done()`` or ``set_result()``.
+    """
+
+    def __init__(self, *, devices: Sequence[Any] | None = None) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._done = False
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[Future], None]] = []
+        # (wait, poll) of whatever completes this future, when that is not another thread
+        self._drive: tuple[Callable[[], Any], Callable[[], Any]] | None = None
+
+    def done(self) -> bool:
+        """Return True if the result (or an exception) is set; polls the operation."""
+        if not self._done and self._drive is not None:
+            self._drive[1]()
+        return self._done
+
+    def wait(self) -> Any:
+        """Block until completed and return the value, or raise its exception."""
+        if not self._done:
+            if self._drive is not None:
+                try:
+                    self._drive[0]()
+                except BaseException as exc:  # the operation's error completes us too
+                    if not self._done:
+                        self.set_exception(exc)
+            with self._cond:
+                while not self._done:
+                    self._cond.wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def value(self) -> Any:
+        """Return the value of a completed Future (raise its exception if it failed)."""
+        if not self._done:
+            raise RuntimeError("Future.value: not completed yet; call wait() first or use then()")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """Return a Future that completes with ``callback(self)`` once this one completes."""
+        child = Future()
+        child._drive = (self.wait, self.done)
+
+        def run(parent: Future) -> None:
+            try:
+                result = callback(parent)
+            except BaseException as exc:
+                child.set_exception(exc)
+            else:
+                child.set_result(result)
+
+        self.add_done_callback(run)
+        return child
+
+    def add_done_callback(self, callback: Callable[[Future], None]) -> None:
+        """Run ``callback(self)`` when completed (now, if already completed)."""
+        with self._cond:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def set_result(self, result: Any) -> None:
+        """Complete the Future with ``result``."""
+        self._finish(result, None)
+
+    def set_exception(self, result: BaseException) -> None:
+        """Complete the Future with an exception (raised by ``wait()`` and ``value()``)."""
+        if not isinstance(result, BaseException):
+            raise TypeError(f"Future.set_exception: expected an exception, got {type(result).__name__}")
+        self._finish(None, result)
+
+    def _finish(self, value: Any, exc: BaseException | None) -> None:
+        with self._cond:
+            if self._done:
+                raise RuntimeError("Future: result already set; a Future completes once")
+            self._value, self._exc, self._done = value, exc, True
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            cb(self)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("failed" if self._exc is not None else "done")
+        return f"<mpidist.Future {state}>"
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True`` (or ``isend``/``irecv``).
+
+    Created by backends; users call ``wait``, ``is_completed``, ``get_future``, ...
+    """
+
+    __slots__ = (
+        "_reqs", "_post", "_keep", "_done", "_exc", "_outputs", "_op",
+        "_owner", "_seq", "_future", "_status", "_timeout",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        reqs: list[Any],
+        post: Callable[[], None] | None,
+        keep: Any,
+        op: str,
+        owner: Any,
+        seq: int,
+        timeout_s: float,
+        status: Any = None,
+    ) -> None:
+        self._reqs = reqs
+        self._post = post
+        self._keep = keep  # buffers MPI uses until completion
+        self._done = False
+        self._exc: BaseException | None = None
+        self._outputs: list[Any] = []
+        self._op = op
+        self._owner = owner  # the backend: builds timeout errors, keeps stuck requests
+        self._seq = seq
+        self._future: Future | None = None
+        self._status = status
+        self._timeout = timeout_s
+
+    def _test(self) -> bool:
+        reqs = self._reqs
+        if len(reqs) == 1:
+            if self._status is not None:
+                return reqs[0].Test(self._status)
+            return reqs[0].Test()
+        return reqs[0].Testall(reqs)
+
+    def is_completed(self) -> bool:
+        """Return True once the operation has finished; each call makes MPI progress."""
+        if not self._done:
+            try:
+                finished = self._test()
+            except Exception as exc:
+                self._fail(self._owner.backend_error(self._op, self._seq, exc))
+                return True
+            if finished:
+                self._complete()
+        return self._done
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes; return True.
+
+        ``timeout`` (timedelta or seconds; None or 0 means the group's timeout)
+        bounds the wait: past it a ``DistBackendError`` is raised.
+        """
+        if not self._done:
+            limit = timeout_seconds(timeout, "Work.wait", self._timeout)
+            try:
+                poll(self._test, limit, self._timed_out)
+            except DistBackendError as exc:
+                self._fail(exc)
+            except Exception as exc:
+                self._fail(self._owner.backend_error(self._op, self._seq, exc))
+            else:
+                self._complete()
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _timed_out(self, waited: float) -> None:
+        self._owner.keep_stuck(self._reqs, self._keep)
+        raise self._owner.timeout_error(self._op, self._seq, waited)
+
+    def _complete(self) -> None:
+        if self._done:
+            return
+        try:
+            if self._post is not None:
+                self._post()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        self._done = True
+        self._keep = None
+        if self._future is not None:
+            self._future.set_result(self._outputs)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._exc = exc
+        if self._future is not None:
+            self._future.set_exception(exc)
+
+    def is_success(self) -> bool:
+        """Return True if the operation completed without error."""
+        return self.is_completed() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        """Return the error the operation failed with, or None."""
+        return self._exc
+
+    def result(self) -> list[Any]:
+        """Return the output arrays of the operation (after ``wait()``)."""
+        return self._outputs
+
+    def get_future(self) -> Future:
+        """Return a Future completed with ``result()`` when the operation completes."""
+        if self._future is None:
+            fut = Future()
+            fut._drive = (self.wait, self.is_completed)
+            self._future = fut
+            if self._done:
+                if self._exc is not None:
+                    fut.set_exception(self._exc)
+                else:
+                    fut.set_result(self._outputs)
+        return self._future
+
+    def synchronize(self) -> None:
+        """Same as ``wait()`` for host arrays."""
+        self.wait()
+
+    def source_rank(self) -> int:
+        """For a receive: the group rank the message came from."""
+        if self._status is None:
+            raise RuntimeError(f"Work.source_rank: only receives have a source rank, this is {self._op}")
+        self.wait()
+        return self._status.Get_source()
+
+    _source_rank = source_rank
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("failed" if self._exc is not None else "completed")
+        return f"<mpidist.Work {self._op} #{self._seq} {state}>"
