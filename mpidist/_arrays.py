@@ -141,7 +141,7 @@ def _contiguous_copy(a: ndarray) -> ndarray:
 
 def prepare_input(x: Any, fn: str, arg: str) -> ndarray:
     """Return a C-contiguous numpy array with ``x``'s data, for reading only."""
-    if type(x) is ndarray and x.flags.c_contiguous:
+    if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
         return x
     a = _adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
@@ -159,7 +159,7 @@ def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     ``target`` is None when the buffer is ``x`` itself, else the array to copy
     the result into with :func:`write_back` once the operation completes.
     """
-    if type(x) is ndarray:
+    if type(x) is ndarray and x.dtype in DTYPES:
         f = x.flags
         if f.c_contiguous and f.writeable:
             return x, None
@@ -173,7 +173,7 @@ def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
 
 def prepare_output(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
-    if type(x) is ndarray:
+    if type(x) is ndarray and x.dtype in DTYPES:
         f = x.flags
         if f.c_contiguous and f.writeable:
             return x, None
@@ -224,14 +224,18 @@ def prepare_output_list(
     return bufs, backs
 
 
-def _owner(a: ndarray) -> Any:
-    base = a.base
-    return a if base is None else base
-
-
 def may_overlap(a: ndarray, b: ndarray) -> bool:
-    """Return True unless ``a`` and ``b`` certainly use separate memory (cheap for owners)."""
-    oa, ob = _owner(a), _owner(b)
+    """Return True unless ``a`` and ``b`` certainly use separate memory.
+
+    Cheap when each array owns its memory or is a view of an array that does
+    (numpy points ``base`` at the owner); otherwise numpy's bounds check decides.
+    """
+    oa = a.base
+    ob = b.base
+    if oa is None:
+        oa = a
+    if ob is None:
+        ob = b
     if oa is not ob and type(oa) is ndarray and type(ob) is ndarray and oa.base is None and ob.base is None:
         return False
     return bool(np.may_share_memory(a, b))

@@ -64,6 +64,7 @@ class World:
         self.default_pg: ProcessGroup | None = None
         self.groups: dict[str, ProcessGroup] = {}
         self.group_count = 0
+        self.local_group_counts: dict[int, int] = {}  # groups made with use_local_synchronization
         self.control_comm: Any = None  # private MPI communicator for library traffic
         self.node_comm: Any = None  # shared-memory (node-local) split of the world
         self.init_info: dict[str, Any] = {}

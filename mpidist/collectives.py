@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._arrays import (
+    DTYPES,
     as_array,
     prepare_inout,
     prepare_input,
@@ -24,8 +25,8 @@ from ._arrays import (
 )
 from ._world import world
 from .errors import RankNotInGroupError
-from .process_group import ProcessGroup, rank_int, resolve_group
-from .reduce_op import ReduceOp
+from .process_group import ProcessGroup, absent, rank_int, resolve_group
+from .reduce_op import ReduceOp, check_op
 from .work import Work
 
 __all__ = [
@@ -55,6 +56,8 @@ def root_rank(
     pg: ProcessGroup, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
 ) -> int:
     """Return the group rank named by a global rank or a group rank (exactly one of them)."""
+    if group_rank is None and type(global_rank) is int and pg._identity and 0 <= global_rank < pg.impl.size:
+        return global_rank  # the world group: global ranks are group ranks
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError(f"{fn}: pass either {names[0]} (global rank) or {names[1]} (group rank), not both")
@@ -99,9 +102,9 @@ def broadcast(
         >>> dist.broadcast(x, src=0)        # x == [0., 1., 2.] everywhere
     """
     fn = "broadcast"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
     impl = pg.impl
     if impl.rank == root:
@@ -123,9 +126,9 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()   # [1, 2] and [3, 4]
         >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)      # x == [4, 6] everywhere
     """
-    pg = resolve_group(group, "all_reduce")
+    pg = world.default_pg if group is None else resolve_group(group, "all_reduce")
     if pg is None:
-        return None
+        return absent(group, "all_reduce")
     buf, target = prepare_inout(tensor, "all_reduce", "tensor")
     w = pg.impl.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
     if w is not None:
@@ -146,9 +149,9 @@ def reduce(
     Other ranks' ``tensor`` is left unchanged.
     """
     fn = "reduce"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     impl = pg.impl
     if impl.rank == root:
@@ -171,9 +174,9 @@ def all_gather(
     rank ``i``'s size. They are written in place, without an intermediate buffer.
     """
     fn = "all_gather"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     inp = prepare_input(tensor, fn, "tensor")
     outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", impl.size)
@@ -200,9 +203,9 @@ def all_gather_into_tensor(
         >>> out                                   # [1, 2, 3, 4] on both ranks
     """
     fn = "all_gather_into_tensor"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     out, target = prepare_output(output_tensor, fn, "output_tensor")
     inp = prepare_input(input_tensor, fn, "input_tensor")
@@ -235,9 +238,9 @@ def gather(
     ``gather_list`` is required on ``dst`` and must be None (or empty) elsewhere.
     """
     fn = "gather"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
     impl = pg.impl
     inp = prepare_input(tensor, fn, "tensor")
@@ -270,9 +273,9 @@ def scatter(
     ``scatter_list`` is required on ``src`` and must be None (or empty) elsewhere.
     """
     fn = "scatter"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     impl = pg.impl
     out, target = prepare_output(tensor, fn, "tensor")
@@ -298,9 +301,9 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``."""
     fn = "reduce_scatter"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     out, target = prepare_output(output, fn, "output")
     ins = prepare_input_list(input_list, fn, "input_list", impl.size)
@@ -325,9 +328,9 @@ def reduce_scatter_tensor(
         >>> dist.reduce_scatter_tensor(out, np.arange(4))   # [0, 2] on rank 0, [4, 6] on rank 1
     """
     fn = "reduce_scatter_tensor"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     out, target = prepare_output(output, fn, "output")
     inp = prepare_input(input, fn, "input")
@@ -382,9 +385,9 @@ def all_to_all_single(
     may have any trailing shape (the same for input and output).
     """
     fn = "all_to_all_single"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     n = impl.size
     out, target = prepare_output(output, fn, "output")
@@ -422,9 +425,9 @@ def all_to_all(
     Arrays may have any (uneven) sizes as long as each pair of ranks agrees.
     """
     fn = "all_to_all"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     impl = pg.impl
     outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", impl.size)
     ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", impl.size)
@@ -451,9 +454,9 @@ def barrier(
     ``device_ids`` is accepted for torch compatibility.
     """
     fn = "barrier"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     if device_ids is not None and not isinstance(device_ids, (list, tuple)):
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
     if async_op or timeout is None:
@@ -466,9 +469,16 @@ def barrier(
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
     """A barrier bounded by ``timeout`` (default: the group's timeout)."""
+    fn = "monitored_barrier"
+    pg = world.default_pg if group is None else resolve_group(group, fn)
+    if pg is None:
+        return absent(group, fn)
     if not isinstance(wait_all_ranks, bool):
-        raise TypeError(f"monitored_barrier: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
-    barrier(group, timeout=timeout)
+        raise TypeError(f"{fn}: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
+    w = pg.impl.barrier(True)
+    if w is not None:
+        w.wait(timeout)
+    return None
 
 
 def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool) -> list[np.ndarray]:
@@ -491,12 +501,13 @@ def all_reduce_coalesced(
 ) -> Work | None:
     """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer)."""
     fn = "all_reduce_coalesced"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     arrays = _flat_list(tensors, fn, "tensors", writeable=True)
     if not arrays:
         raise ValueError(f"{fn}: tensors must not be empty")
+    check_op(op, DTYPES[arrays[0].dtype].kind, arrays[0].dtype.name, fn)
     packed = _pack(arrays, arrays[0].dtype)
     backs, offset = [], 0
     for a in arrays:
@@ -519,9 +530,9 @@ def all_gather_coalesced(
     ``output_tensor_lists[r][i]`` receives rank ``r``'s ``input_tensor_list[i]``.
     """
     fn = "all_gather_coalesced"
-    pg = resolve_group(group, fn)
+    pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
-        return None
+        return absent(group, fn)
     n = pg.impl.size
     ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False)
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:

@@ -46,15 +46,24 @@ def make_group(
     group_desc: str | None = None,
     store: Any = None,
 ) -> ProcessGroup:
-    """Build and register the ProcessGroup of ``comm`` (this rank is a member)."""
+    """Build and register the ProcessGroup of ``comm`` (this rank is a member).
+
+    The group owns ``comm`` and a private duplicate of it for library traffic
+    (object collectives, subgroup creation), driven by its own MPI backend.
+    """
+    from .backends.mpi import MPIBackend
+
     backend_name = devices["cpu"]
     options = BackendOptions(store, comm.Get_rank(), comm.Get_size(), timeout, name, list(ranks), comm)
+    control_comm = comm.Dup()
     try:
         impl = create_backend(backend_name, options, pg_options)
     except BaseException:
+        control_comm.Free()
         comm.Free()
         raise
-    pg = ProcessGroup(impl, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "")
+    control = MPIBackend(control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True)
+    pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "")
     world.register_group(pg)
     return pg
 
@@ -117,7 +126,10 @@ def new_group(
                     return NON_GROUP_MEMBER
                 digest = zlib.crc32(",".join(map(str, members)).encode())
                 comm = control.Create_group(mpi_group, digest % 32768)
-                name = f"local-{digest:08x}"
+                # members create their groups in the same order: count per member set
+                count = world.local_group_counts.get(digest, 0)
+                world.local_group_counts[digest] = count + 1
+                name = f"local-{digest:08x}-{count}"
             else:
                 comm = control.Create(mpi_group)
                 name = world.next_group_name()
@@ -129,16 +141,21 @@ def new_group(
 
 
 def _split(
-    rank_lists: list[list[int]], td: timedelta, devices: dict[str, str], pg_options: Any, group_desc: str | None
+    parent_control: Any,
+    rank_lists: list[list[int]],
+    td: timedelta,
+    devices: dict[str, str],
+    pg_options: Any,
+    group_desc: str | None,
 ) -> tuple[ProcessGroup | None, list[Any]]:
-    """Create one group per list with a single MPI_Comm_split; return (mine, all)."""
+    """Create one group per list with a single MPI_Comm_split of ``parent_control``; return (mine, all)."""
     from mpi4py import MPI
 
     me = world.default_pg.rank() if world.default_pg is not None else -1
     color = next((i for i, lst in enumerate(rank_lists) if me in lst), MPI.UNDEFINED)
     key = rank_lists[color].index(me) if color != MPI.UNDEFINED else 0
     with world.lock:
-        comm = world.control_comm.Split(color, key)
+        comm = parent_control.Split(color, key)
         names = [world.next_group_name() for _ in rank_lists]
         mine = None
         if color != MPI.UNDEFINED:
@@ -157,7 +174,8 @@ def new_subgroups(
     """Split ``group`` (default: the world) into equal subgroups of ``group_size`` consecutive ranks.
 
     ``group_size`` defaults to the number of ranks per node (MPI's shared-memory
-    split). Every rank of the default group calls it. Returns
+    split). Every member of ``group`` calls it (ranks outside it get a ValueError
+    and are not needed). Returns
     ``(this rank's subgroup, list of all subgroups)``, non-member entries being
     ``GroupMember.NON_GROUP_MEMBER``.
 
@@ -180,7 +198,7 @@ def new_subgroups(
     if group_size > n or n % group_size:
         raise ValueError(f"{fn}: the group size {n} must be divisible by group_size={group_size}")
     lists = [parent.ranks[i : i + group_size] for i in range(0, n, group_size)]
-    return _split(lists, td, devices, pg_options, group_desc)
+    return _split(parent.control.comm, lists, td, devices, pg_options, group_desc)
 
 
 def new_subgroups_by_enumeration(
@@ -213,7 +231,7 @@ def new_subgroups_by_enumeration(
             if r in seen:
                 raise ValueError(f"{fn}: rank {r} appears in subgroups {seen[r]} and {i}; subgroups must not overlap")
             seen[r] = i
-    return _split(lists, td, devices, pg_options, group_desc)
+    return _split(world.control_comm, lists, td, devices, pg_options, group_desc)
 
 
 def _member_group(group: Any, fn: str) -> ProcessGroup:

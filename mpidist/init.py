@@ -194,11 +194,6 @@ def _free_world_comms() -> None:
             comm.Free()
 
 
-def _retire(pg: ProcessGroup) -> None:
-    pg.destroyed = True
-    pg.impl.shutdown()
-
-
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Destroy one process group, or all of them (and de-initialize) when ``group`` is None.
 
@@ -219,11 +214,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             return
         if pg is world.default_pg:
             for member in list(world.groups.values()):
-                _retire(member)
+                member.shutdown()
             _free_world_comms()
             world.reset()
         else:
-            _retire(pg)
+            pg.shutdown()
             world.groups.pop(pg.group_name, None)
 
 

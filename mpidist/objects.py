@@ -3,7 +3,8 @@
 Objects are pickled with protocol 5; large buffers inside them (numpy arrays,
 bytes-like objects that support out-of-band pickling) travel as separate frames
 of one byte payload, and on the receiving side they are rebuilt on the received
-memory without another copy. Sizes are 64-bit, so objects over 2 GiB work.
+memory without another copy. Sizes are 64-bit, so objects over 2 GiB work. They run on the group's private
+control communicator, never mixing with the arrays the program sends.
 
 .. warning::
    These functions unpickle what other ranks send. Unpickling untrusted data can
@@ -17,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from ._world import world
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
 
@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 _ALIGN = 64
+_OBJECT_TAG = 1  # on the group's private control communicator: no user message can match it
 _I64 = np.dtype(np.int64)
 
 
@@ -103,7 +104,7 @@ def broadcast_object_list(
         return None
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     _check_list(object_list, fn, "object_list")
-    impl = pg.impl
+    impl = pg.control
     if impl.rank == root:
         payload = dumps(list(object_list))
         head = np.array([payload.size, len(object_list)], _I64)
@@ -155,7 +156,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    impl = pg.impl
+    impl = pg.control
     _check_list(object_list, fn, "object_list")
     if len(object_list) != impl.size:
         raise ValueError(f"{fn}: object_list has {len(object_list)} slots but the group has {impl.size} ranks")
@@ -185,7 +186,7 @@ def gather_object(
     if pg is None:
         return None
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
-    impl = pg.impl
+    impl = pg.control
     at_root = impl.rank == root
     if at_root:
         slots = _check_list(object_gather_list, fn, "object_gather_list")
@@ -221,7 +222,7 @@ def scatter_object_list(
     if pg is None:
         return None
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
-    impl = pg.impl
+    impl = pg.control
     _check_list(scatter_object_output_list, fn, "scatter_object_output_list")
     if not scatter_object_output_list:
         raise ValueError(f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives)")
@@ -242,10 +243,6 @@ def scatter_object_list(
     return None
 
 
-def _object_tag() -> int:
-    return int(world.init_info.get("tag_ub", 32767))
-
-
 def send_object_list(
     object_list: list[Any],
     dst: int | None = None,
@@ -262,9 +259,9 @@ def send_object_list(
     peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     _check_list(object_list, fn, "object_list")
     payload = dumps(list(object_list))
-    tag = _object_tag()
-    pg.impl.send(np.array([payload.size, len(object_list)], _I64), peer, tag).wait()
-    pg.impl.send(payload, peer, tag).wait()
+    tag = _OBJECT_TAG
+    pg.control.send(np.array([payload.size, len(object_list)], _I64), peer, tag).wait()
+    pg.control.send(payload, peer, tag).wait()
     return None
 
 
@@ -286,13 +283,13 @@ def recv_object_list(
         return -1
     _check_list(object_list, fn, "object_list")
     peer = None if src is None and group_src is None else root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    tag = _object_tag()
+    tag = _OBJECT_TAG
     head = np.empty(2, _I64)
-    w = pg.impl.recv(head, None, peer, tag)
+    w = pg.control.recv(head, None, peer, tag)
     w.wait()
     sender = w.source_rank()
     payload = np.empty(int(head[0]), np.uint8)
-    pg.impl.recv(payload, None, sender, tag).wait()
+    pg.control.recv(payload, None, sender, tag).wait()
     if int(head[1]) != len(object_list):
         raise ValueError(f"{fn}: object_list has {len(object_list)} slots but {int(head[1])} objects arrived")
     object_list[:] = loads(payload)

@@ -10,7 +10,7 @@ from ._world import world
 from .backends.base import BaseBackend
 from .errors import RankNotInGroupError
 
-__all__ = ["ProcessGroup", "GroupMember", "group", "resolve_group", "rank_int", "NON_GROUP_MEMBER"]
+__all__ = ["ProcessGroup", "GroupMember", "group", "resolve_group", "absent", "rank_int", "NON_GROUP_MEMBER"]
 
 
 class ProcessGroup:
@@ -25,6 +25,7 @@ class ProcessGroup:
     def __init__(
         self,
         impl: BaseBackend,
+        control: Any,
         ranks: list[int],
         group_name: str,
         timeout: timedelta,
@@ -34,6 +35,7 @@ class ProcessGroup:
         group_desc: str = "",
     ) -> None:
         self.impl = impl
+        self.control = control  # MPIBackend over a private duplicate: library traffic
         self.ranks = ranks
         self.group_name = group_name
         self.group_desc = group_desc or group_name
@@ -56,6 +58,16 @@ class ProcessGroup:
     def name(self) -> str:
         """Return the backend's name (torch's ``ProcessGroup.name()``)."""
         return self.backend_name
+
+    def shutdown(self) -> None:
+        """Mark the group destroyed and free its backend and communicators."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self.impl.shutdown()
+        self.control.shutdown()
+        if self._comm is not None:
+            self._comm.Free()
 
     @property
     def mpi_comm(self) -> Any:
@@ -140,6 +152,20 @@ class GroupMember(metaclass=_WorldMeta):
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
+def _not_initialized(fn: str) -> RuntimeError:
+    return RuntimeError(f"{fn}: the default process group is not initialized; call mpidist.init_process_group() first")
+
+
+def absent(grp: Any, fn: str) -> None:
+    """What a call does when ``world.default_pg if grp is None else resolve_group(grp)`` gave None.
+
+    Raise before ``init_process_group``; else (a non-member) return None.
+    """
+    if grp is None:
+        raise _not_initialized(fn)
+    return None
+
+
 def resolve_group(grp: Any, fn: str) -> ProcessGroup | None:
     """Return the group a call runs on, None for a non-member, or raise.
 
@@ -149,9 +175,7 @@ def resolve_group(grp: Any, fn: str) -> ProcessGroup | None:
     if grp is None:
         pg = world.default_pg
         if pg is None:
-            raise RuntimeError(
-                f"{fn}: the default process group is not initialized; call mpidist.init_process_group() first"
-            )
+            raise _not_initialized(fn)
         return pg
     if isinstance(grp, ProcessGroup):
         if grp.destroyed:
@@ -159,8 +183,6 @@ def resolve_group(grp: Any, fn: str) -> ProcessGroup | None:
         return grp
     if grp is NON_GROUP_MEMBER:
         if world.default_pg is None:
-            raise RuntimeError(
-                f"{fn}: the default process group is not initialized; call mpidist.init_process_group() first"
-            )
+            raise _not_initialized(fn)
         return None
     raise TypeError(f"{fn}: group must be a ProcessGroup (or None for the default group), got {type(grp).__name__}")

@@ -121,7 +121,7 @@ def factor_value(factor: Any) -> complex | float | int:
     if size == 1 and hasattr(factor, "item"):
         return factor.item()
     raise TypeError(
-        "_make_nccl_premul_sum: factor must be a real or complex number or a "
+        "make_premul_sum: factor must be a real or complex number or a "
         f"1-element array, got {type(factor).__name__}"
         + (f" with {size} elements" if isinstance(size, int) else "")
     )
@@ -250,6 +250,13 @@ def resolve(op: Any, fn: str) -> tuple[RedOpType, Any]:
             )
         factor_value(factor)
     return base, factor
+
+
+def check_op(op: Any, kind: str, dtype_name: str, fn: str) -> None:
+    """Raise the error ``fn`` gives for ``op`` if it is not defined on ``kind`` arrays."""
+    base, _ = resolve(op, fn)
+    if OP_TABLE[kind][base] is None:
+        raise invalid_op_error(fn, base, kind, dtype_name)
 
 
 def invalid_op_error(fn: str, op: RedOpType, kind: str, dtype_name: str) -> ValueError:

@@ -26,35 +26,42 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from .errors import DistBackendError
-
 __all__ = ["Work", "Future", "poll", "timeout_seconds"]
 
 _perf = time.perf_counter
-_SPIN_S = 100e-6  # poll flat out this long, then yield the CPU
-_YIELD_S = 20e-3  # then sched_yield between polls this long, then sleep
+_yield = os.sched_yield
+_SPINS = 32  # tests flat out before yielding the CPU (~3 us: small messages on idle cores)
+_SLEEP_AFTER_S = 20e-3  # past this, sleep between tests (long waits should not burn a core)
 
 
-def poll(test: Callable[[], Any], timeout_s: float, on_timeout: Callable[[float], None]) -> None:
-    """Call ``test()`` until it returns true; call ``on_timeout(elapsed)`` after ``timeout_s``.
+def poll(test: Callable[[], Any], timeout_s: float) -> bool:
+    """Call ``test()`` until it returns true (then return True) or ``timeout_s`` passes (False).
 
-    Spins first (latency matters for small messages), then yields the CPU so that
-    oversubscribed ranks (more ranks than cores) still progress, then sleeps in
-    steps of at most 1 ms (at most ~1% of the time already waited).
+    Spins briefly (latency matters for small messages), then yields the CPU
+    between tests so that oversubscribed ranks (more ranks than cores) progress
+    as fast as with MPI's own blocking calls (measured: 4 ranks on 2 cores), then
+    sleeps in steps of at most 1 ms (at most 1% of the time already waited).
     """
+    spins = 0
+    while not test():
+        spins += 1
+        if spins == _SPINS:
+            return _poll_slowly(test, timeout_s)
+    return True
+
+
+def _poll_slowly(test: Callable[[], Any], timeout_s: float) -> bool:
     start = _perf()
     while True:
-        for _ in range(16):
+        for _ in range(8):
             if test():
-                return
+                return True
+            _yield()
         waited = _perf() - start
         if waited > timeout_s:
-            on_timeout(waited)
-            return
-        if waited > _YIELD_S:
+            return False
+        if waited > _SLEEP_AFTER_S:
             time.sleep(min(1e-3, waited * 0.01))
-        elif waited > _SPIN_S:
-            os.sched_yield()
 
 
 def timeout_seconds(timeout: Any, fn: str, default: float) -> float:
@@ -203,6 +210,13 @@ class Work:
         self._status = status
         self._timeout = timeout_s
 
+    def __del__(self) -> None:
+        if not self._done and self._owner is not None:  # dropped while MPI still uses its buffers
+            try:
+                self._owner.adopt(self._reqs, self._keep)
+            except Exception:  # interpreter shutdown: nothing left to protect
+                pass
+
     def _test(self) -> bool:
         reqs = self._reqs
         if len(reqs) == 1:
@@ -232,20 +246,18 @@ class Work:
         if not self._done:
             limit = timeout_seconds(timeout, "Work.wait", self._timeout)
             try:
-                poll(self._test, limit, self._timed_out)
-            except DistBackendError as exc:
-                self._fail(exc)
+                finished = poll(self._test, limit)
             except Exception as exc:
                 self._fail(self._owner.backend_error(self._op, self._seq, exc))
             else:
-                self._complete()
+                if finished:
+                    self._complete()
+                else:
+                    self._owner.keep_stuck(self._reqs, self._keep)
+                    self._fail(self._owner.timeout_error(self._op, self._seq, limit))
         if self._exc is not None:
             raise self._exc
         return True
-
-    def _timed_out(self, waited: float) -> None:
-        self._owner.keep_stuck(self._reqs, self._keep)
-        raise self._owner.timeout_error(self._op, self._seq, waited)
 
     def _complete(self) -> None:
         if self._done:

@@ -49,13 +49,12 @@ class BaseBackend(ABC):
         """Wrap a library error of call ``seq`` in a DistBackendError."""
         return DistBackendError(f"{op} (call #{seq}) on {self.describe()} failed: {exc}")
 
-    def timeout_error(self, op: str, seq: int, waited: float) -> DistBackendError:
-        """Build the error for call ``seq`` that did not complete in time."""
+    def timeout_error(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
+        """Build the error for call ``seq`` that did not complete within ``timeout_s``."""
         return DistBackendError(
             f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout "
-            f"of {self.timeout_s:g} s (waited {waited:.3g} s); a rank of the group has not "
-            "called it, or called something else. The group is unusable now; "
-            "destroy it or end the job."
+            f"of {timeout_s:g} s; a rank of the group has not called it, or called something "
+            "else. The group is unusable now; destroy it or end the job."
         )
 
     def keep_stuck(self, reqs: Any, keep: Any) -> None:
@@ -63,6 +62,10 @@ class BaseBackend(ABC):
 
         MPI may still write into them, so they must never be freed.
         """
+        self._stuck.append((reqs, keep))
+
+    def adopt(self, reqs: Any, keep: Any) -> None:
+        """Keep the requests and buffers of a Work that was dropped before completing."""
         self._stuck.append((reqs, keep))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
