@@ -79,6 +79,7 @@ def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.nda
 
 
 def _check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+    """Raise unless the dtypes are equal (callers test identity first: builtin dtypes are singletons)."""
     if a.dtype != b.dtype:
         raise TypeError(f"{fn}: {a_name} is {a.dtype.name} but {b_name} is {b.dtype.name}; dtypes must match")
 
@@ -105,8 +106,11 @@ def broadcast(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
     impl = pg.impl
+    if group_src is None and type(src) is int and pg._identity and 0 <= src < impl.size:
+        root = src  # root_rank's fast path, written out: broadcast is latency-critical
+    else:
+        root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
     if impl.rank == root:
         buf, backs = prepare_input(tensor, fn, "tensor"), None
     else:
@@ -209,7 +213,7 @@ def all_gather_into_tensor(
     impl = pg.impl
     out, target = prepare_output(output_tensor, fn, "output_tensor")
     inp = prepare_input(input_tensor, fn, "input_tensor")
-    if out.dtype != inp.dtype:
+    if out.dtype is not inp.dtype:
         _check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != impl.size * inp.size:
         raise ValueError(
@@ -334,7 +338,7 @@ def reduce_scatter_tensor(
     impl = pg.impl
     out, target = prepare_output(output, fn, "output")
     inp = prepare_input(input, fn, "input")
-    if out.dtype != inp.dtype:
+    if out.dtype is not inp.dtype:
         _check_dtype(fn, out, "output", inp, "input")
     if inp.size != impl.size * out.size:
         raise ValueError(
@@ -392,8 +396,14 @@ def all_to_all_single(
     n = impl.size
     out, target = prepare_output(output, fn, "output")
     inp = prepare_input(input, fn, "input")
-    if out.dtype != inp.dtype:
+    if out.dtype is not inp.dtype:
         _check_dtype(fn, out, "output", inp, "input")
+    shape = inp.shape
+    if output_split_sizes is None and input_split_sizes is None and out.shape == shape and shape and not shape[0] % n:
+        w = impl.all_to_all_single(out, None if target is None else [(out, target)], inp, None, None, async_op)
+        if w is not None:
+            w._outputs = [output]
+        return w
     if out.ndim == 0 or inp.ndim == 0:
         raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
     if out.shape[1:] != inp.shape[1:]:

@@ -26,11 +26,11 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["Work", "Future", "poll", "timeout_seconds"]
+__all__ = ["Work", "Future", "poll", "poll_slowly", "timeout_seconds", "SPINS"]
 
 _perf = time.perf_counter
 _yield = os.sched_yield
-_SPINS = 32  # tests flat out before yielding the CPU (~3 us: small messages on idle cores)
+SPINS = 32  # tests flat out before yielding the CPU (~3 us: small messages on idle cores)
 _SLEEP_AFTER_S = 20e-3  # past this, sleep between tests (long waits should not burn a core)
 
 
@@ -45,12 +45,13 @@ def poll(test: Callable[[], Any], timeout_s: float) -> bool:
     spins = 0
     while not test():
         spins += 1
-        if spins == _SPINS:
-            return _poll_slowly(test, timeout_s)
+        if spins == SPINS:
+            return poll_slowly(test, timeout_s)
     return True
 
 
-def _poll_slowly(test: Callable[[], Any], timeout_s: float) -> bool:
+def poll_slowly(test: Callable[[], Any], timeout_s: float) -> bool:
+    """The second phase of :func:`poll`: yield between tests, sleep after a while."""
     start = _perf()
     while True:
         for _ in range(8):

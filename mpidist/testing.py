@@ -1,0 +1,121 @@
+"""A pytest plugin for testing code that uses mpidist under ``mpiexec``.
+
+Enable it in your ``conftest.py``::
+
+    pytest_plugins = ["mpidist.testing"]
+
+and run ``mpiexec -n 4 python -m pytest --with-mpi`` (pytest-mpi's flag; plain
+``python -m pytest`` is a world of one rank). It gives you:
+
+* **Collective pass/fail.** After each test every rank reports whether it failed;
+  a test that failed on any rank fails on all of them and names the ranks, so one
+  rank's failed assertion never leaves the others waiting in their next
+  collective. The vote runs on a private communicator with a deadline
+  (``MPIDIST_TEST_VOTE_TIMEOUT``, default 240 s); if the other ranks never get
+  there (a rank hangs), the job is aborted with a message instead of hanging.
+* **A default process group** for the session (fixture ``dist_world``, used
+  automatically), created with the timeout ``MPIDIST_TEST_PG_TIMEOUT`` (default
+  90 s) so a broken collective fails its test instead of hanging it; tests that
+  destroy it get it back before the next test.
+* **Quiet ranks.** Only rank 0 prints the full report; the others print failures.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+__all__ = ["vote", "init_default_group"]
+
+PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
+VOTE_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_VOTE_TIMEOUT", "240"))
+
+
+class _Voter:
+    """Holds the private communicator the votes run on (created on first use)."""
+
+    comm = None
+
+    @classmethod
+    def get(cls):
+        if cls.comm is None:
+            from mpi4py import MPI
+
+            cls.comm = MPI.COMM_WORLD.Dup()
+        return cls.comm
+
+
+def vote(failed: bool) -> list[int]:
+    """Tell every rank whether this one failed; return the ranks that did (collective)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = _Voter.get()
+    size = comm.Get_size()
+    if size == 1:
+        return [0] if failed else []
+    flags = np.zeros(size, np.int8)
+    req = comm.Iallgather(np.array([int(failed)], np.int8), flags)
+    deadline = time.monotonic() + VOTE_TIMEOUT_S
+    while not req.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(
+                f"[rank {comm.Get_rank()}] mpidist.testing: the other ranks did not finish the test "
+                f"within {VOTE_TIMEOUT_S:g} s; aborting the job instead of hanging\n"
+            )
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(70)
+        os.sched_yield()
+    return [i for i, f in enumerate(flags.tolist()) if f]
+
+
+def _is_failure(exc: BaseException) -> bool:
+    return not isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    try:
+        result = yield
+    except BaseException as exc:
+        vote(_is_failure(exc))
+        raise
+    failed = vote(False)
+    if failed:
+        pytest.fail(f"the test failed on rank(s) {failed} (see their reports)", pytrace=False)
+    return result
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _Voter.get().Get_rank() != 0:  # one full report (rank 0); the others report failures only
+        config.option.verbose = -2
+        config.option.no_header = True
+
+
+def init_default_group() -> None:
+    """Initialize mpidist's default group for tests (if it is not initialized)."""
+    import mpidist
+
+    if not mpidist.is_initialized():
+        mpidist.init_process_group(timeout=PG_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dist_world():
+    """The default process group, for the whole session."""
+    import mpidist
+
+    init_default_group()
+    yield mpidist.group.WORLD
+    if mpidist.is_initialized():
+        mpidist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _dist_world_alive():
+    """Tests that destroy the default group get it back for the next test."""
+    yield
+    init_default_group()
