@@ -111,12 +111,14 @@ def broadcast(
         root = src  # root_rank's fast path, written out: broadcast is latency-critical
     else:
         root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    if impl.rank == root:
-        buf, backs = prepare_input(tensor, fn, "tensor"), None
-    else:
-        buf, target = prepare_output(tensor, fn, "tensor")
-        backs = None if target is None else [(buf, target)]
-    w = impl.broadcast(buf, backs, root, async_op)
+    w = impl.fast_broadcast(tensor, root, async_op)
+    if w is NotImplemented:
+        if impl.rank == root:
+            buf, backs = prepare_input(tensor, fn, "tensor"), None
+        else:
+            buf, target = prepare_output(tensor, fn, "tensor")
+            backs = None if target is None else [(buf, target)]
+        w = impl.broadcast(buf, backs, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -133,8 +135,11 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     pg = world.default_pg if group is None else resolve_group(group, "all_reduce")
     if pg is None:
         return absent(group, "all_reduce")
-    buf, target = prepare_inout(tensor, "all_reduce", "tensor")
-    w = pg.impl.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
+    impl = pg.impl
+    w = impl.fast_all_reduce(tensor, op, async_op)
+    if w is NotImplemented:
+        buf, target = prepare_inout(tensor, "all_reduce", "tensor")
+        w = impl.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -211,16 +216,17 @@ def all_gather_into_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    out, target = prepare_output(output_tensor, fn, "output_tensor")
-    inp = prepare_input(input_tensor, fn, "input_tensor")
-    if out.dtype is not inp.dtype:
+    w = impl.fast_all_gather_into_tensor(output_tensor, input_tensor, async_op)
+    if w is NotImplemented:
+        out, target = prepare_output(output_tensor, fn, "output_tensor")
+        inp = prepare_input(input_tensor, fn, "input_tensor")
         _check_dtype(fn, out, "output_tensor", inp, "input_tensor")
-    if out.size != impl.size * inp.size:
-        raise ValueError(
-            f"{fn}: output_tensor has {out.size} elements but must have world_size * "
-            f"input_tensor.size = {impl.size} * {inp.size} = {impl.size * inp.size}"
-        )
-    w = impl.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
+        if out.size != impl.size * inp.size:
+            raise ValueError(
+                f"{fn}: output_tensor has {out.size} elements but must have world_size * "
+                f"input_tensor.size = {impl.size} * {inp.size} = {impl.size * inp.size}"
+            )
+        w = impl.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
     if w is not None:
         w._outputs = [output_tensor]
     return w
@@ -336,16 +342,17 @@ def reduce_scatter_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    out, target = prepare_output(output, fn, "output")
-    inp = prepare_input(input, fn, "input")
-    if out.dtype is not inp.dtype:
+    w = impl.fast_reduce_scatter_tensor(output, input, op, async_op)
+    if w is NotImplemented:
+        out, target = prepare_output(output, fn, "output")
+        inp = prepare_input(input, fn, "input")
         _check_dtype(fn, out, "output", inp, "input")
-    if inp.size != impl.size * out.size:
-        raise ValueError(
-            f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
-            f"{impl.size} * {out.size} = {impl.size * out.size}"
-        )
-    w = impl.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
+        if inp.size != impl.size * out.size:
+            raise ValueError(
+                f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
+                f"{impl.size} * {out.size} = {impl.size * out.size}"
+            )
+        w = impl.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
     if w is not None:
         w._outputs = [output]
     return w
@@ -393,17 +400,16 @@ def all_to_all_single(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
+    if output_split_sizes is None and input_split_sizes is None:
+        w = impl.fast_all_to_all_single(output, input, async_op)
+        if w is not NotImplemented:
+            if w is not None:
+                w._outputs = [output]
+            return w
     n = impl.size
     out, target = prepare_output(output, fn, "output")
     inp = prepare_input(input, fn, "input")
-    if out.dtype is not inp.dtype:
-        _check_dtype(fn, out, "output", inp, "input")
-    shape = inp.shape
-    if output_split_sizes is None and input_split_sizes is None and out.shape == shape and shape and not shape[0] % n:
-        w = impl.all_to_all_single(out, None if target is None else [(out, target)], inp, None, None, async_op)
-        if w is not None:
-            w._outputs = [output]
-        return w
+    _check_dtype(fn, out, "output", inp, "input")
     if out.ndim == 0 or inp.ndim == 0:
         raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
     if out.shape[1:] != inp.shape[1:]:

@@ -178,6 +178,7 @@ def init_process_group(
             "init_method": init_method or "env://",
             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
             "tag_ub": int(control.Get_attr(MPI.TAG_UB)),
+            "oversubscribed": node.Get_size() > _usable_cpus(),
         }
         try:
             pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg", store)
@@ -186,6 +187,14 @@ def init_process_group(
             world.reset()
             raise
         world.default_pg = pg
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), for the oversubscription check."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _free_world_comms() -> None:

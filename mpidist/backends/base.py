@@ -23,8 +23,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._world import world
 from ..errors import DistBackendError
-from ..work import Work
+from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
 
 
 class BaseBackend(ABC):
@@ -40,6 +41,8 @@ class BaseBackend(ABC):
         self.group_name = group_name
         self.seq = 0  # collectives and p2p calls issued on this group
         self._stuck: list[Any] = []
+        # tests before a wait yields the CPU (see work.poll): long if this node has a core per rank
+        self.spins = SPINS_OVERSUBSCRIBED if world.init_info.get("oversubscribed", True) else SPINS_IDLE_CORES
 
     # -- errors shared by every backend ------------------------------------------------
     def describe(self) -> str:
@@ -70,6 +73,27 @@ class BaseBackend(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
+
+    # -- the fast lane (optional) --------------------------------------------------------
+    # fast_* methods get the caller's own arrays (unvalidated) and either complete
+    # the common case or return NotImplemented, untouched; then the collective
+    # validates and prepares the arrays and calls the general method below.
+    # Backends without a fast lane inherit these.
+
+    def fast_all_reduce(self, tensor: Any, op: Any, async_op: bool) -> Any:
+        return NotImplemented
+
+    def fast_broadcast(self, tensor: Any, root: int, async_op: bool) -> Any:
+        return NotImplemented
+
+    def fast_all_gather_into_tensor(self, out: Any, inp: Any, async_op: bool) -> Any:
+        return NotImplemented
+
+    def fast_reduce_scatter_tensor(self, out: Any, inp: Any, op: Any, async_op: bool) -> Any:
+        return NotImplemented
+
+    def fast_all_to_all_single(self, out: Any, inp: Any, async_op: bool) -> Any:
+        return NotImplemented
 
     # -- collectives -----------------------------------------------------------------
     @abstractmethod

@@ -178,14 +178,36 @@ class MPIBackend(BaseBackend):
 
     name = "mpi"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that overrides a general method gets it called: its fast lane is off for that op."""
+        super().__init_subclass__(**kwargs)
+        base = MPIBackend
+        if cls.all_reduce is not base.all_reduce and cls.fast_all_reduce is base.fast_all_reduce:
+            cls.fast_all_reduce = BaseBackend.fast_all_reduce  # type: ignore[method-assign]
+        if cls.broadcast is not base.broadcast and cls.fast_broadcast is base.fast_broadcast:
+            cls.fast_broadcast = BaseBackend.fast_broadcast  # type: ignore[method-assign]
+        if (
+            cls.all_gather_into_tensor is not base.all_gather_into_tensor
+            and cls.fast_all_gather_into_tensor is base.fast_all_gather_into_tensor
+        ):
+            cls.fast_all_gather_into_tensor = BaseBackend.fast_all_gather_into_tensor  # type: ignore[method-assign]
+        if (
+            cls.reduce_scatter_tensor is not base.reduce_scatter_tensor
+            and cls.fast_reduce_scatter_tensor is base.fast_reduce_scatter_tensor
+        ):
+            cls.fast_reduce_scatter_tensor = BaseBackend.fast_reduce_scatter_tensor  # type: ignore[method-assign]
+        if cls.all_to_all_single is not base.all_to_all_single and cls.fast_all_to_all_single is base.fast_all_to_all_single:
+            cls.fast_all_to_all_single = BaseBackend.fast_all_to_all_single  # type: ignore[method-assign]
+
     def __init__(self, comm: MPI.Comm, timeout_s: float, group_name: str = "", owns_comm: bool = False) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name)
         self.comm = comm
-        # bound once: the hot paths call these on every operation
+        # bound once: the fast lane calls these on every operation
         self._iallreduce = comm.Iallreduce
         self._ibcast = comm.Ibcast
         self._iallgather = comm.Iallgather
         self._ireduce_scatter_block = comm.Ireduce_scatter_block
+        self._ireduce_scatter = comm.Ireduce_scatter
         self._ialltoall = comm.Ialltoall
         self._owns_comm = owns_comm
         self._types = type_table()
@@ -207,11 +229,7 @@ class MPIBackend(BaseBackend):
         raise TypeError(f"{fn}: the MPI backend cannot send {a.dtype.name} arrays")  # pragma: no cover
 
     def _done(self, op: str, req: MPI.Request, post: Callable[[], None] | None, keep: Any, async_op: bool) -> Work | None:
-        """Return a Work for ``req``, or wait for it (within the timeout) and finish.
-
-        The five collectives of the benchmark write this tail out themselves: one
-        Python call less per blocking call is measurable at 8 bytes.
-        """
+        """Return a Work for ``req``, or wait for it (within the timeout) and finish."""
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:
@@ -229,7 +247,7 @@ class MPIBackend(BaseBackend):
         Only called once a first test found ``req`` incomplete, so the call costs
         nothing that waiting would not have cost anyway.
         """
-        if not poll(req.Test, self.timeout_s):
+        if not poll(req.Test, self.timeout_s, self.spins):
             self._expired(op, req, keep)
 
     def _expired(self, op: str, req: MPI.Request, keep: Any) -> None:
@@ -239,6 +257,132 @@ class MPIBackend(BaseBackend):
 
     def _fail(self, op: str, exc: MPI.Exception) -> Exception:
         return self.backend_error(op, self.seq, exc)
+
+    # -- the fast lane ----------------------------------------------------------------------
+    # Each fast_* method takes the caller's arrays and completes the common case in
+    # one Python call: plain C-contiguous numpy arrays of a supported dtype (exactly
+    # what _arrays.prepare_* passes through unchanged), sizes that fit, no aliasing,
+    # an op MPI computes natively. For anything else it returns NotImplemented
+    # before touching anything, and the general lane below (staging, every check
+    # and error message) takes over. Measured on 2 ranks at 8 bytes, the general
+    # lane's helper calls cost ~0.9 us per call that this saves. For the same reason
+    # each writes out the tail of _done (return a Work, or test once and wait).
+
+    def fast_all_reduce(self, tensor: Any, op: Any, async_op: bool) -> Any:
+        if type(tensor) is not ndarray or type(op) is not RedOpType:
+            return NotImplemented
+        e = self._types.get(tensor.dtype)
+        if e is None:
+            return NotImplemented
+        mop = e.ops[op]
+        f = tensor.flags
+        if type(mop) is not Op or not (f.c_contiguous and f.writeable):
+            return NotImplemented
+        self.seq += 1
+        try:
+            req = self._iallreduce(IN_PLACE, tensor if e.direct else [tensor, e.mpi], mop)
+            if async_op:
+                return Work([req], None, tensor, "all_reduce", self, self.seq, self.timeout_s)
+            if not req.Test():
+                self._wait("all_reduce", req, tensor)
+        except MPI.Exception as exc:
+            raise self._fail("all_reduce", exc) from exc
+        return None
+
+    def fast_broadcast(self, tensor: Any, root: int, async_op: bool) -> Any:
+        if type(tensor) is not ndarray:
+            return NotImplemented
+        e = self._types.get(tensor.dtype)
+        f = tensor.flags
+        if e is None or not f.c_contiguous or not (f.writeable or root == self.rank):
+            return NotImplemented
+        self.seq += 1
+        try:
+            req = self._ibcast(tensor if e.direct else [tensor, e.mpi], root)
+            if async_op:
+                return Work([req], None, tensor, "broadcast", self, self.seq, self.timeout_s)
+            if not req.Test():
+                self._wait("broadcast", req, tensor)
+        except MPI.Exception as exc:
+            raise self._fail("broadcast", exc) from exc
+        return None
+
+    def _fast_pair(self, out: Any, inp: Any) -> TypeEntry | None:
+        """The TypeEntry if (out, inp) are ready for MPI as they are, else None."""
+        if type(out) is not ndarray or type(inp) is not ndarray:
+            return None
+        dtype = out.dtype
+        if dtype is not inp.dtype:
+            return None
+        f = out.flags
+        if not (f.c_contiguous and f.writeable and inp.flags.c_contiguous):
+            return None
+        if out.base is not None or inp.base is not None or out is inp:  # views: may alias
+            return None
+        return self._types.get(dtype)
+
+    def fast_all_gather_into_tensor(self, out: Any, inp: Any, async_op: bool) -> Any:
+        e = self._fast_pair(out, inp)
+        if e is None or out.size != self.size * inp.size:
+            return NotImplemented
+        self.seq += 1
+        try:
+            if e.direct:
+                req = self._iallgather(inp, out)
+            else:
+                req = self._iallgather([inp, e.mpi], [out, e.mpi])
+            if async_op:
+                return Work([req], None, (inp, out), "all_gather_into_tensor", self, self.seq, self.timeout_s)
+            if not req.Test():
+                self._wait("all_gather_into_tensor", req, (inp, out))
+        except MPI.Exception as exc:
+            raise self._fail("all_gather_into_tensor", exc) from exc
+        return None
+
+    def fast_reduce_scatter_tensor(self, out: Any, inp: Any, op: Any, async_op: bool) -> Any:
+        e = self._fast_pair(out, inp)
+        if e is None or type(op) is not RedOpType or inp.size != self.size * out.size:
+            return NotImplemented
+        mop = e.ops[op]
+        if type(mop) is not Op:
+            return NotImplemented
+        self.seq += 1
+        smsg = inp if e.direct else [inp, e.mpi]
+        rmsg = out if e.direct else [out, e.mpi]
+        try:
+            if inp.nbytes < _BLOCK_VARIANT_LIMIT:
+                req = self._ireduce_scatter_block(smsg, rmsg, mop)
+            else:
+                req = self._ireduce_scatter(smsg, rmsg, None, mop)
+            if async_op:
+                return Work([req], None, (inp, out), "reduce_scatter_tensor", self, self.seq, self.timeout_s)
+            if not req.Test():
+                self._wait("reduce_scatter_tensor", req, (inp, out))
+        except MPI.Exception as exc:
+            raise self._fail("reduce_scatter_tensor", exc) from exc
+        return None
+
+    def fast_all_to_all_single(self, out: Any, inp: Any, async_op: bool) -> Any:
+        """Even splits only (the caller passes no split sizes)."""
+        e = self._fast_pair(out, inp)
+        if e is None:
+            return NotImplemented
+        shape = inp.shape
+        if out.shape != shape or not shape or shape[0] % self.size:
+            return NotImplemented
+        self.seq += 1
+        try:
+            if e.direct:
+                req = self._ialltoall(inp, out)
+            else:
+                req = self._ialltoall([inp, e.mpi], [out, e.mpi])
+            if async_op:
+                return Work([req], None, (inp, out), "all_to_all_single", self, self.seq, self.timeout_s)
+            if not req.Test():
+                self._wait("all_to_all_single", req, (inp, out))
+        except MPI.Exception as exc:
+            raise self._fail("all_to_all_single", exc) from exc
+        return None
 
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
@@ -316,14 +460,10 @@ class MPIBackend(BaseBackend):
                 lambda s, r, o: comm.Iallreduce(s, r, o), backs, async_op,
             )  # fmt: skip
         try:
-            req = self._iallreduce(IN_PLACE, buf if e.direct else [buf, e.mpi], mop)
-            if async_op:
-                return Work([req], None, buf, "all_reduce", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_reduce", req, buf)
+            req = self.comm.Iallreduce(IN_PLACE, buf if e.direct else [buf, e.mpi], mop)
         except MPI.Exception as exc:
             raise self._fail("all_reduce", exc) from exc
-        return None
+        return self._done("all_reduce", req, None, buf, async_op)
 
     def reduce(self, buf: ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
@@ -338,7 +478,7 @@ class MPIBackend(BaseBackend):
     def reduce_scatter_tensor(self, out: ndarray, backs: Any, inp: ndarray, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "reduce_scatter_tensor")
-        if (out.base is not None or inp.base is not None or out is inp) and _arrays.may_overlap(out, inp):
+        if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         mop = e.ops[op] if type(op) is RedOpType else _GENERAL
         comm = self.comm
@@ -351,16 +491,12 @@ class MPIBackend(BaseBackend):
         rmsg = out if e.direct else [out, e.mpi]
         try:
             if inp.nbytes < _BLOCK_VARIANT_LIMIT:
-                req = self._ireduce_scatter_block(smsg, rmsg, mop)
+                req = comm.Ireduce_scatter_block(smsg, rmsg, mop)
             else:
                 req = comm.Ireduce_scatter(smsg, rmsg, None, mop)
-            if async_op:
-                return Work([req], None, (inp, out), "reduce_scatter_tensor", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("reduce_scatter_tensor", req, (inp, out))
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
-        return None
+        return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
 
     def reduce_scatter(
         self, out: ndarray, backs: Any, ins: Sequence[ndarray], op: Any, async_op: bool
@@ -390,48 +526,29 @@ class MPIBackend(BaseBackend):
     def broadcast(self, buf: ndarray, backs: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "broadcast")
-        if backs is not None:
-            try:
-                req = self.comm.Ibcast([buf, e.mpi], root)
-            except MPI.Exception as exc:
-                raise self._fail("broadcast", exc) from exc
-            return self._done("broadcast", req, lambda: _write_backs(backs), buf, async_op)
         try:
-            req = self._ibcast(buf if e.direct else [buf, e.mpi], root)
-            if async_op:
-                return Work([req], None, buf, "broadcast", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("broadcast", req, buf)
+            req = self.comm.Ibcast(buf if e.direct else [buf, e.mpi], root)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
-        return None
+        post = None if backs is None else (lambda: _write_backs(backs))
+        return self._done("broadcast", req, post, buf, async_op)
 
     def all_gather_into_tensor(self, out: ndarray, backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "all_gather_into_tensor")
         smsg: Any = inp if e.direct else [inp, e.mpi]
-        if (out.base is not None or inp.base is not None or out is inp) and _arrays.may_overlap(out, inp):
+        if _arrays.may_overlap(out, inp):
             mine = inp.nbytes * self.rank
             if inp.nbytes and _address(inp) == _address(out) + mine:
                 smsg = IN_PLACE  # the input already sits in this rank's slot of the output
             else:
                 smsg = [self._separate(inp), e.mpi]
-        rmsg = out if e.direct else [out, e.mpi]
-        if backs is not None:
-            try:
-                req = self.comm.Iallgather(smsg, rmsg)
-            except MPI.Exception as exc:
-                raise self._fail("all_gather_into_tensor", exc) from exc
-            return self._done("all_gather_into_tensor", req, lambda: _write_backs(backs), (out, smsg), async_op)
         try:
-            req = self._iallgather(smsg, rmsg)
-            if async_op:
-                return Work([req], None, (out, smsg), "all_gather_into_tensor", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_gather_into_tensor", req, (out, smsg))
+            req = self.comm.Iallgather(smsg, out if e.direct else [out, e.mpi])
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
-        return None
+        post = None if backs is None else (lambda: _write_backs(backs))
+        return self._done("all_gather_into_tensor", req, post, (out, smsg), async_op)
 
     def all_gather(self, outs: Sequence[ndarray], backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
@@ -507,31 +624,20 @@ class MPIBackend(BaseBackend):
     ) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "all_to_all_single")
-        if (out.base is not None or inp.base is not None or out is inp) and _arrays.may_overlap(out, inp):
+        if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
-        if out_counts is None or in_counts is None:
-            smsg: Any = inp if e.direct else [inp, e.mpi]
-            rmsg: Any = out if e.direct else [out, e.mpi]
-        else:
-            smsg = [inp, list(in_counts), _displacements(in_counts), e.mpi]
-            rmsg = [out, list(out_counts), _displacements(out_counts), e.mpi]
-        if backs is not None or out_counts is not None:
-            start = self.comm.Ialltoall if out_counts is None else self.comm.Ialltoallv
-            post = None if backs is None else (lambda: _write_backs(backs))
-            try:
-                req = start(smsg, rmsg)
-            except MPI.Exception as exc:
-                raise self._fail("all_to_all_single", exc) from exc
-            return self._done("all_to_all_single", req, post, (inp, out), async_op)
         try:
-            req = self._ialltoall(smsg, rmsg)
-            if async_op:
-                return Work([req], None, (inp, out), "all_to_all_single", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_to_all_single", req, (inp, out))
+            if out_counts is None or in_counts is None:
+                req = self.comm.Ialltoall(inp if e.direct else [inp, e.mpi], out if e.direct else [out, e.mpi])
+            else:
+                req = self.comm.Ialltoallv(
+                    [inp, list(in_counts), _displacements(in_counts), e.mpi],
+                    [out, list(out_counts), _displacements(out_counts), e.mpi],
+                )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
-        return None
+        post = None if backs is None else (lambda: _write_backs(backs))
+        return self._done("all_to_all_single", req, post, (inp, out), async_op)
 
     def all_to_all(
         self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool
