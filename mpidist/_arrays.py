@@ -159,20 +159,15 @@ def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     ``target`` is None when the buffer is ``x`` itself, else the array to copy
     the result into with :func:`write_back` once the operation completes.
     """
-    if type(x) is ndarray and x.dtype in DTYPES:
-        f = x.flags
-        if f.c_contiguous and f.writeable:
-            return x, None
-    a = _adapt(x, fn, arg)
-    dtype_info(a.dtype, fn, arg)
-    _check_writeable(a, fn, arg)
-    if a.flags.c_contiguous:
-        return a, None
-    return _contiguous_copy(a), a
+    return _prepare_writable(x, fn, arg, keep_data=True)
 
 
 def prepare_output(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
+    return _prepare_writable(x, fn, arg, keep_data=False)
+
+
+def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[ndarray, ndarray | None]:
     if type(x) is ndarray and x.dtype in DTYPES:
         f = x.flags
         if f.c_contiguous and f.writeable:
@@ -182,6 +177,8 @@ def prepare_output(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     _check_writeable(a, fn, arg)
     if a.flags.c_contiguous:
         return a, None
+    if keep_data:
+        return _contiguous_copy(a), a
     tmp = np.empty(a.shape, a.dtype)
     _count_copy(tmp)
     return tmp, a

@@ -21,3 +21,15 @@ def rank() -> int:
 @pytest.fixture
 def world_size() -> int:
     return dist.get_world_size()
+
+
+@pytest.fixture(autouse=True)
+def _destroy_new_groups():
+    """Free the groups a test created, so communicators do not pile up."""
+    from mpidist._world import world
+
+    before = set(world.groups)
+    yield
+    for name, pg in list(world.groups.items()):
+        if name not in before and not pg.destroyed:
+            dist.destroy_process_group(pg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import reduce as _fold
 from typing import Callable
 
@@ -107,3 +108,24 @@ def assert_equal(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)
     assert np.array_equal(got, expected), f"\n got {got}\n expected {expected}"
+
+
+def fail_together(problems: list[str]) -> None:
+    """Fail on every rank if any rank found a problem (so no rank runs ahead into a collective)."""
+    everyone = MPI.COMM_WORLD.allgather(problems)
+    bad = {r: p for r, p in enumerate(everyone) if p}
+    assert not bad, f"problems by rank: {bad}"
+
+
+def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
+    """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        if not re.search(match, str(e)):
+            return [f"{name}: {type(e).__name__} message {str(e)!r} does not match {match!r}"]
+        return []
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        return [f"{name}: raised {type(e).__name__}: {e} instead of {exc.__name__}"]
+    return [f"{name}: did not raise {exc.__name__}"]

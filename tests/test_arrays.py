@@ -8,8 +8,6 @@ never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
-import re
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,28 +17,12 @@ import mpidist as dist
 from mpidist import _arrays
 from mpidist._world import world
 
+from helpers import check_raises, fail_together
+
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 PEER = (RANK + 1) % SIZE
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def fail_together(problems: list[str]) -> None:
-    """Fail on every rank if any rank found a problem (so no rank runs ahead into a collective)."""
-    everyone = MPI.COMM_WORLD.allgather(problems)
-    bad = {r: p for r, p in enumerate(everyone) if p}
-    assert not bad, f"problems by rank: {bad}"
-
-
-def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
-    """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        return [] if re.search(match, str(e)) else [f"{type(e).__name__} message {str(e)!r} does not match {match!r}"]
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        return [f"raised {type(e).__name__}: {e} instead of {exc.__name__}"]
-    return [f"did not raise {exc.__name__}"]
 
 
 def group_works() -> list[str]:

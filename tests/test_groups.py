@@ -10,21 +10,10 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._world import world
 
 from helpers import assert_equal, rank_input
 
 NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
-
-
-@pytest.fixture(autouse=True)
-def _destroy_new_groups():
-    """Free the groups a test created, so communicators do not pile up."""
-    before = set(world.groups)
-    yield
-    for name, pg in list(world.groups.items()):
-        if name not in before and not pg.destroyed:
-            dist.destroy_process_group(pg)
 
 
 def world_ranks_of(pg: dist.ProcessGroup) -> list[int]:

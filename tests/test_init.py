@@ -22,6 +22,8 @@ import mpidist as dist
 from mpidist import Backend, BackendOptions, BaseBackend
 from mpidist.backends.mpi import MPIBackend
 
+from helpers import check_raises, fail_together
+
 #: the timeout the harness gives the session's group (see conftest.py)
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
 RANK = MPI.COMM_WORLD.Get_rank()
@@ -51,26 +53,6 @@ def check_world_works(group=None) -> None:
     x = np.array([me + 1, 7], np.int64)
     dist.all_reduce(x, group=group)
     np.testing.assert_array_equal(x, [n * (n + 1) // 2, 7 * n])
-
-
-def fail_together(problems: list[str]) -> None:
-    """Fail on every rank if any rank found a problem (so no rank runs ahead into a collective)."""
-    everyone = MPI.COMM_WORLD.allgather(problems)
-    bad = {r: p for r, p in enumerate(everyone) if p}
-    assert not bad, f"problems by rank: {bad}"
-
-
-def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
-    """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        if not re.search(match, str(e)):
-            return [f"{fn.__name__}: {type(e).__name__} message {str(e)!r} does not match {match!r}"]
-        return []
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        return [f"{fn.__name__}: raised {type(e).__name__}: {e} instead of {exc.__name__}"]
-    return [f"{fn.__name__}: did not raise {exc.__name__}"]
 
 
 def raises_together(exc: type[BaseException], match: str, fn, *args, **kwargs) -> None:

@@ -10,23 +10,12 @@ import numpy as np
 import pytest
 
 import mpidist as dist
-from mpidist._world import world
 from mpidist.objects import dumps, loads
 
 from helpers import ALL_DTYPES, BF16, rank_input
 
 NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 PICKLE_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
-
-
-@pytest.fixture(autouse=True)
-def _destroy_new_groups():
-    """Free the groups a test created, so communicators do not pile up."""
-    before = set(world.groups)
-    yield
-    for name, pg in list(world.groups.items()):
-        if name not in before and not pg.destroyed:
-            dist.destroy_process_group(pg)
 
 
 def same(a, b) -> bool:

@@ -13,21 +13,10 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._world import world
 
 from helpers import ALL_DTYPES, FAMILIES, assert_equal, rank_input
 
 TAG_UB = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
-
-
-@pytest.fixture(autouse=True)
-def _destroy_new_groups():
-    """Free the groups a test created, so communicators do not pile up."""
-    before = set(world.groups)
-    yield
-    for name, pg in list(world.groups.items()):
-        if name not in before and not pg.destroyed:
-            dist.destroy_process_group(pg)
 
 
 def nxt(r: int, n: int) -> int:

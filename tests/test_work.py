@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import random
-import re
 import threading
 import time
 import weakref
@@ -17,28 +16,12 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist import DistBackendError, Future, Work
 
+from helpers import check_raises, fail_together
+
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 TRI = SIZE * (SIZE + 1) // 2  # sum of rank + 1 over all ranks
 MAX_POLLS = 2_000_000  # safety bound for polling loops (they normally end after a few)
-
-
-def fail_together(problems: list[str]) -> None:
-    """Fail on every rank if any rank found a problem (so no rank runs ahead into a collective)."""
-    everyone = MPI.COMM_WORLD.allgather(problems)
-    bad = {r: p for r, p in enumerate(everyone) if p}
-    assert not bad, f"problems by rank: {bad}"
-
-
-def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
-    """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        return [] if re.search(match, str(e)) else [f"message {str(e)!r} does not match {match!r}"]
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        return [f"raised {type(e).__name__}: {e} instead of {exc.__name__}"]
-    return [f"did not raise {exc.__name__}"]
 
 
 def poll_until_done(work: Work, max_polls: int = MAX_POLLS) -> int:
