@@ -14,7 +14,9 @@ Run a program under an MPI launcher and use it as you would torch.distributed::
 """
 
 from ._version import __version__
+from .abort import abort_process_group, install_excepthook
 from .backends import Backend, BackendOptions, BaseBackend
+from .barriers import monitored_barrier
 from .collectives import (
     all_gather,
     all_gather_coalesced,
@@ -27,13 +29,13 @@ from .collectives import (
     barrier,
     broadcast,
     gather,
-    monitored_barrier,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
 )
+from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, RankNotInGroupError
 from .groups import (
     get_global_rank,
@@ -147,6 +149,14 @@ __all__ = [
     # async
     "Work",
     "Future",
+    # debugging
+    "DebugLevel",
+    "get_debug_level",
+    "set_debug_level",
+    "set_debug_level_from_env",
+    # ending the job
+    "abort_process_group",
+    "install_excepthook",
     # errors
     "DistError",
     "DistBackendError",

@@ -44,7 +44,6 @@ __all__ = [
     "all_to_all_single",
     "all_to_all",
     "barrier",
-    "monitored_barrier",
     "all_reduce_coalesced",
     "all_gather_coalesced",
 ]
@@ -477,20 +476,6 @@ def barrier(
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
     if async_op or timeout is None:
         return pg.impl.barrier(async_op)
-    w = pg.impl.barrier(True)
-    if w is not None:
-        w.wait(timeout)
-    return None
-
-
-def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-    """A barrier bounded by ``timeout`` (default: the group's timeout)."""
-    fn = "monitored_barrier"
-    pg = world.default_pg if group is None else resolve_group(group, fn)
-    if pg is None:
-        return absent(group, fn)
-    if not isinstance(wait_all_ranks, bool):
-        raise TypeError(f"{fn}: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
     w = pg.impl.barrier(True)
     if w is not None:
         w.wait(timeout)

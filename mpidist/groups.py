@@ -13,6 +13,7 @@ import zlib
 from datetime import timedelta
 from typing import Any, Sequence
 
+from . import debug
 from ._world import world
 from .backends.registry import BackendOptions, create_backend, parse_backend
 from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
@@ -62,9 +63,10 @@ def make_group(
         control_comm.Free()
         comm.Free()
         raise
-    control = MPIBackend(control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True)
+    control = MPIBackend(control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks))
     pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "")
     world.register_group(pg)
+    debug.apply(pg)
     return pg
 
 

@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._world import world
 from .backends.registry import Backend, nccl_importable, parse_backend
+from .debug import set_debug_level_from_env
 from .groups import make_group, timeout_arg
 from .process_group import ProcessGroup, resolve_group
 
@@ -158,6 +159,7 @@ def init_process_group(
         rank = _int_arg(rank, fn, "rank")
         world_size = _int_arg(world_size, fn, "world_size")
         claims = _claims(init_method, rank, world_size, fn)
+        set_debug_level_from_env()
 
         from mpi4py import MPI  # initializes MPI on first use
 
@@ -179,6 +181,7 @@ def init_process_group(
             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
             "tag_ub": int(control.Get_attr(MPI.TAG_UB)),
             "oversubscribed": node.Get_size() > _usable_cpus(),
+            "abort_on_timeout": os.environ.get("MPIDIST_ABORT_ON_TIMEOUT", "").strip().lower() in ("1", "true", "yes"),
         }
         try:
             pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg", store)

@@ -140,6 +140,14 @@ def _slices(sizes: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return big, views
 
 
+def gather_all(impl: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, gathered over backend ``impl`` (collective; used by debug checks too)."""
+    mine = dumps(obj)
+    _, views = _slices(_exchange_sizes(impl, mine.size))
+    impl.all_gather(views, None, mine, False)
+    return [loads(v) for v in views]
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """Fill ``object_list`` (one slot per rank) with every rank's ``obj``.
 
@@ -160,12 +168,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     _check_list(object_list, fn, "object_list")
     if len(object_list) != impl.size:
         raise ValueError(f"{fn}: object_list has {len(object_list)} slots but the group has {impl.size} ranks")
-    mine = dumps(obj)
-    sizes = _exchange_sizes(impl, mine.size)
-    _, views = _slices(sizes)
-    impl.all_gather(views, None, mine, False)
-    for i, v in enumerate(views):
-        object_list[i] = loads(v)
+    object_list[:] = gather_all(impl, obj)
     return None
 
 

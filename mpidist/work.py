@@ -26,6 +26,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from . import stall
+
 __all__ = ["Work", "Future", "poll", "poll_slowly", "timeout_seconds", "SPINS_IDLE_CORES", "SPINS_OVERSUBSCRIBED"]
 
 _perf = time.perf_counter
@@ -38,7 +40,9 @@ SPINS_IDLE_CORES = 128
 SPINS_OVERSUBSCRIBED = 16
 
 
-def poll(test: Callable[[], Any], timeout_s: float, spins: int = SPINS_OVERSUBSCRIBED) -> bool:
+def poll(
+    test: Callable[[], Any], timeout_s: float, spins: int = SPINS_OVERSUBSCRIBED, activity: tuple | None = None
+) -> bool:
     """Call ``test()`` until it returns true (then return True) or ``timeout_s`` passes (False).
 
     Spins ``spins`` tests (latency matters for small messages), then yields the CPU
@@ -47,16 +51,22 @@ def poll(test: Callable[[], Any], timeout_s: float, spins: int = SPINS_OVERSUBSC
     messages forward only while it is tested (sleeping 1 ms between tests made a
     2 GiB all_gather_object take 86 s instead of 2), so a long wait keeps a core
     busy, as MPI_Wait does.
+
+    ``activity`` (group, op, seq) is what this rank reports, while the wait is slow,
+    to a rank that timed out and asks (see ``stall.py``).
     """
     while not test():
         spins -= 1
         if not spins:
-            return poll_slowly(test, timeout_s)
+            if activity is None:
+                return poll_slowly(test, timeout_s)
+            with stall.waiting(*activity):
+                return poll_slowly(test, timeout_s, stall.serve)
     return True
 
 
-def poll_slowly(test: Callable[[], Any], timeout_s: float) -> bool:
-    """The second phase of :func:`poll`: yield between tests; check the clock every 64 tests."""
+def poll_slowly(test: Callable[[], Any], timeout_s: float, idle: Callable[[], None] | None = None) -> bool:
+    """The second phase of :func:`poll`: yield between tests; every 64 tests check the clock and call ``idle``."""
     deadline = _perf() + timeout_s
     while True:
         for _ in range(64):
@@ -65,6 +75,8 @@ def poll_slowly(test: Callable[[], Any], timeout_s: float) -> bool:
             _yield()
         if _perf() > deadline:
             return False
+        if idle is not None:
+            idle()
 
 
 def timeout_seconds(timeout: Any, fn: str, default: float) -> float:
@@ -248,8 +260,10 @@ class Work:
         """
         if not self._done:
             limit = timeout_seconds(timeout, "Work.wait", self._timeout)
+            owner = self._owner
+            activity = (getattr(owner, "group_name", "?"), self._op, self._seq)
             try:
-                finished = poll(self._test, limit, getattr(self._owner, "spins", SPINS_OVERSUBSCRIBED))
+                finished = poll(self._test, limit, getattr(owner, "spins", SPINS_OVERSUBSCRIBED), activity)
             except Exception as exc:
                 self._fail(self._owner.backend_error(self._op, self._seq, exc))
             else:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import stall
 from .._world import world
 from ..errors import DistBackendError
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
@@ -34,12 +35,16 @@ class BaseBackend(ABC):
     #: the name ``get_backend()`` reports
     name: str = "undefined"
 
-    def __init__(self, rank: int, size: int, timeout_s: float, group_name: str = "") -> None:
+    def __init__(
+        self, rank: int, size: int, timeout_s: float, group_name: str = "", global_ranks: list[int] | None = None
+    ) -> None:
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
         self.group_name = group_name
-        self.seq = 0  # collectives and p2p calls issued on this group
+        self.global_ranks = global_ranks  # members' world ranks, for timeout diagnoses
+        self.seq = 0  # collectives issued on this group (the same on every rank)
+        self.p2p_seq = 0  # point-to-point calls issued here (differs between ranks)
         self._stuck: list[Any] = []
         # tests before a wait yields the CPU (see work.poll): long if this node has a core per rank
         self.spins = SPINS_OVERSUBSCRIBED if world.init_info.get("oversubscribed", True) else SPINS_IDLE_CORES
@@ -53,12 +58,26 @@ class BaseBackend(ABC):
         return DistBackendError(f"{op} (call #{seq}) on {self.describe()} failed: {exc}")
 
     def timeout_error(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
-        """Build the error for call ``seq`` that did not complete within ``timeout_s``."""
-        return DistBackendError(
-            f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout "
-            f"of {timeout_s:g} s; a rank of the group has not called it, or called something "
-            "else. The group is unusable now; destroy it or end the job."
+        """Build the error for call ``seq`` that did not complete within ``timeout_s``.
+
+        Asks the other members what they are waiting in (``stall.survey``, at most
+        a second) so the message can say who has not arrived.
+        """
+        where = ""
+        if self.global_ranks is not None and self.size > 1:
+            with stall.waiting(self.group_name, op, seq):  # others that time out too may ask us
+                answers = stall.survey(self.global_ranks, min(1.0, max(0.2, 0.1 * timeout_s)))
+            where = " " + stall.explain(answers, self.global_ranks)
+        error = DistBackendError(
+            f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout of "
+            f"{timeout_s:g} s.{where} The group is unusable now (the call is still pending inside "
+            "MPI): destroy it, or end the job (mpidist.abort_process_group)."
         )
+        if world.init_info.get("abort_on_timeout"):
+            from ..abort import abort_process_group
+
+            abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
+        return error
 
     def keep_stuck(self, reqs: Any, keep: Any) -> None:
         """Keep the requests and buffers of an operation that timed out alive forever.

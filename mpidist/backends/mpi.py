@@ -199,8 +199,15 @@ class MPIBackend(BaseBackend):
         if cls.all_to_all_single is not base.all_to_all_single and cls.fast_all_to_all_single is base.fast_all_to_all_single:
             cls.fast_all_to_all_single = BaseBackend.fast_all_to_all_single  # type: ignore[method-assign]
 
-    def __init__(self, comm: MPI.Comm, timeout_s: float, group_name: str = "", owns_comm: bool = False) -> None:
-        super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name)
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        timeout_s: float,
+        group_name: str = "",
+        owns_comm: bool = False,
+        global_ranks: list[int] | None = None,
+    ) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name, global_ranks)
         self.comm = comm
         # bound once: the fast lane calls these on every operation
         self._iallreduce = comm.Iallreduce
@@ -212,6 +219,16 @@ class MPIBackend(BaseBackend):
         self._owns_comm = owns_comm
         self._types = type_table()
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
+        self._epoch = 0  # monitored_barrier calls on this communicator
+
+    def next_epoch(self) -> int:
+        """Number the next monitored_barrier on this communicator (the same on every rank)."""
+        self._epoch += 1
+        return self._epoch
+
+    def sync_epoch(self, epoch: int) -> None:
+        """Adopt rank 0's monitored_barrier number (after a rank skipped barriers)."""
+        self._epoch = max(self._epoch, epoch)
 
     # -- plumbing -----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -247,7 +264,7 @@ class MPIBackend(BaseBackend):
         Only called once a first test found ``req`` incomplete, so the call costs
         nothing that waiting would not have cost anyway.
         """
-        if not poll(req.Test, self.timeout_s, self.spins):
+        if not poll(req.Test, self.timeout_s, self.spins, (self.group_name, op, self.seq)):
             self._expired(op, req, keep)
 
     def _expired(self, op: str, req: MPI.Request, keep: Any) -> None:
@@ -664,23 +681,23 @@ class MPIBackend(BaseBackend):
 
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: ndarray, peer: int, tag: int) -> Work:
-        self.seq += 1
+        self.p2p_seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "send")
         try:
             req = self.comm.Isend([buf, e.mpi], peer, tag)
         except MPI.Exception as exc:
-            raise self._fail("send", exc) from exc
-        return Work([req], None, buf, "send", self, self.seq, self.timeout_s)
+            raise self.backend_error("send", self.p2p_seq, exc) from exc
+        return Work([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
-        self.seq += 1
+        self.p2p_seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
         status = MPI.Status()
         source = ANY_SOURCE if peer is None else peer
         try:
             req = self.comm.Irecv([buf, e.mpi], source, tag)
         except MPI.Exception as exc:
-            raise self._fail("recv", exc) from exc
+            raise self.backend_error("recv", self.p2p_seq, exc) from exc
 
         def finish() -> None:
             got = status.Get_count(e.mpi)
@@ -692,7 +709,7 @@ class MPIBackend(BaseBackend):
             if backs:
                 _write_backs(backs)
 
-        return Work([req], finish, buf, "recv", self, self.seq, self.timeout_s, status)
+        return Work([req], finish, buf, "recv", self, self.p2p_seq, self.timeout_s, status)
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:

@@ -154,7 +154,9 @@ def create_backend(name: str, options: BackendOptions, pg_options: Any) -> BaseB
 def _make_mpi(options: BackendOptions, pg_options: Any) -> BaseBackend:
     from .mpi import MPIBackend
 
-    return MPIBackend(options.comm, options.timeout.total_seconds(), options.group_id)
+    return MPIBackend(
+        options.comm, options.timeout.total_seconds(), options.group_id, global_ranks=options.global_ranks_in_group
+    )
 
 
 def _make_nccl(options: BackendOptions, pg_options: Any) -> BaseBackend:

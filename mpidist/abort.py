@@ -1,0 +1,107 @@
+"""Ending the whole job when one rank cannot go on.
+
+MPI has no way to make other ranks leave a collective they are waiting in. When
+a rank fails for good (an unhandled exception, a timeout you cannot recover from),
+the right response is usually to end the job, as torch's asynchronous error
+handling does, instead of leaving the other ranks waiting until their timeouts.
+
+* :func:`abort_process_group` calls ``MPI_Abort`` (the launcher then ends every
+  rank of the job).
+* :func:`install_excepthook` (or ``python -m mpidist script.py``) prints an
+  unhandled exception with every line prefixed by ``[rank N]`` and aborts.
+* ``MPIDIST_ABORT_ON_TIMEOUT=1`` turns every timeout into: print the diagnosis,
+  then abort the job (instead of raising DistBackendError).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+from ._world import world
+
+__all__ = ["abort_process_group", "install_excepthook", "excepthook", "rank_label"]
+
+#: exit code of a job that mpidist aborted (EX_SOFTWARE)
+ABORT_CODE = 70
+
+
+def rank_label() -> str:
+    """This process's world rank, for messages (also before init, from launcher variables)."""
+    if world.default_pg is not None:
+        return str(world.default_pg.rank())
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            return str(MPI.COMM_WORLD.Get_rank())
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"):
+        if os.environ.get(var, "").isdigit():
+            return os.environ[var]
+    return "?"
+
+
+def _say(text: str) -> None:
+    prefix = f"[rank {rank_label()}] "
+    sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").splitlines()))
+    sys.stderr.flush()
+
+
+def abort_process_group(group: Any = None, errorcode: int = ABORT_CODE, message: str | None = None) -> None:
+    """End the job: ``MPI_Abort`` on ``group``'s communicator (the default group if None).
+
+    Every rank of the job ends, not only the group's: MPI implementations abort
+    the whole job. ``message`` is printed first, prefixed with ``[rank N]``.
+    """
+    if message:
+        _say(message)
+    sys.stdout.flush()
+    from mpi4py import MPI
+
+    pg = world.default_pg if group is None else group
+    comm = getattr(pg, "mpi_comm", None) or MPI.COMM_WORLD
+    comm.Abort(errorcode)
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the frames of ``python -m mpidist`` itself (runpy and mpidist/__main__.py)."""
+    start = tb
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if "runpy" not in name and not name.endswith(os.path.join("mpidist", "__main__.py")):
+            return tb
+        tb = tb.tb_next
+    return start
+
+
+def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Print the exception with ``[rank N]`` on every line, then abort the whole job."""
+    _say("".join(traceback.format_exception(kind, value, _user_frames(tb))))
+    if kind is KeyboardInterrupt or not _mpi_running():
+        return
+    _say(f"mpidist: unhandled {kind.__name__}; aborting the job so that the other ranks do not hang")
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(ABORT_CODE)
+
+
+def _mpi_running() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI
+
+    return bool(MPI.Is_initialized() and not MPI.Is_finalized())
+
+
+def install_excepthook() -> None:
+    """Make an unhandled exception on any rank print ``[rank N]``-prefixed and abort the job.
+
+    Example::
+
+        import mpidist
+        mpidist.install_excepthook()     # or run the script with: mpiexec -n 4 python -m mpidist script.py
+    """
+    sys.excepthook = excepthook

@@ -1,0 +1,159 @@
+"""``monitored_barrier``: a barrier that names the ranks that did not arrive.
+
+As in torch: every rank but group rank 0 reports to rank 0; rank 0 waits for
+the reports until the timeout and then releases everybody with its verdict. On
+a failure rank 0 raises ``Rank 1 failed to pass monitored_barrier in 2000 ms``
+(all missing ranks with ``wait_all_ranks=True``, else the first one), the ranks
+that did arrive raise the same verdict, and a rank that never hears from rank 0
+raises after the timeout too. The messages travel on the group's private control
+communicator, numbered per barrier so that a late arrival from an earlier,
+failed barrier is never mistaken for one of the current barrier.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ._world import world
+from .process_group import ProcessGroup, absent, resolve_group
+from .work import poll, timeout_seconds
+
+__all__ = ["monitored_barrier"]
+
+_ARRIVE_TAG = 0x3B01
+_RELEASE_TAG = 0x3B02
+_RELEASE_GRACE_S = 2.0  # non-zero ranks wait this much longer than rank 0 does
+
+
+def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    """Synchronize like ``barrier``, but report the ranks that fail to arrive within ``timeout``.
+
+    Args:
+        group: the group (default: the world).
+        timeout: timedelta or seconds; default the group's timeout.
+        wait_all_ranks: on rank 0, collect every missing rank instead of failing at the first.
+
+    Raises:
+        RuntimeError: on every rank that takes part, naming the missing ranks.
+
+    Example (``mpiexec -n 3``; rank 1 does not call it)::
+
+        >>> if dist.get_rank() != 1:
+        ...     dist.monitored_barrier(timeout=2)   # RuntimeError: Rank 1 failed to pass monitored_barrier in 2000 ms
+    """
+    fn = "monitored_barrier"
+    pg = world.default_pg if group is None else resolve_group(group, fn)
+    if pg is None:
+        return absent(group, fn)
+    if not isinstance(wait_all_ranks, bool):
+        raise TypeError(f"{fn}: wait_all_ranks must be a bool, got {type(wait_all_ranks).__name__}")
+    limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())
+    control = pg.control
+    epoch = control.next_epoch()
+    if control.size == 1:
+        return None
+    if control.rank == 0:
+        _collect(pg, control, epoch, limit, wait_all_ranks)
+    else:
+        _report(pg, control, epoch, limit)
+    return None
+
+
+def _names(pg: ProcessGroup, ranks: list[int]) -> str:
+    text = ", ".join(str(r) for r in ranks)
+    if not pg._identity:
+        text += f" (global {', '.join(str(pg.ranks[r]) for r in ranks)})"
+    return text
+
+
+def _verdict(pg: ProcessGroup, missing: list[int], behind: dict[int, int], epoch: int, limit: float) -> str:
+    parts = []
+    if missing:
+        label = "Rank" if len(missing) == 1 else "Ranks"
+        parts.append(f"{label} {_names(pg, missing)} failed to pass monitored_barrier in {limit * 1000:.0f} ms")
+    for r, theirs in sorted(behind.items()):
+        parts.append(
+            f"Rank {_names(pg, [r])} is out of step: it is at its monitored_barrier #{theirs} while rank 0 is at "
+            f"#{epoch} (it skipped earlier ones)"
+        )
+    if behind:
+        parts.append("the ranks are in step again after this error")
+    return "; ".join(parts)
+
+
+def _collect(pg: ProcessGroup, control: Any, epoch: int, limit: float, wait_all_ranks: bool) -> None:
+    """Rank 0: wait for every other rank's report, then release the reporters with the verdict.
+
+    A report numbered below ``epoch`` is either late (from an earlier, failed
+    barrier) or from a rank that skipped barriers: rank 0 keeps listening for a
+    newer one until the timeout and then names the rank as out of step. Every
+    release carries rank 0's number, which the released ranks adopt.
+    """
+    comm = control.comm
+    n = control.size
+    boxes = {k: np.zeros(1, np.int64) for k in range(1, n)}
+    reqs = {k: comm.Irecv(boxes[k], k, _ARRIVE_TAG) for k in range(1, n)}
+    latest: dict[int, int] = {}  # newest number seen from each rank
+    arrived: set[int] = set()
+    deadline = time.monotonic() + limit
+
+    def progress() -> bool:
+        for k, req in list(reqs.items()):
+            if req.Test():
+                latest[k] = int(boxes[k][0])
+                if latest[k] >= epoch:
+                    arrived.add(k)
+                    del reqs[k]
+                else:  # behind: listen for a newer report
+                    reqs[k] = comm.Irecv(boxes[k], k, _ARRIVE_TAG)
+        if not wait_all_ranks and time.monotonic() > deadline and any(k not in latest for k in reqs):
+            return True  # fail fast at the first rank that has not reported at all
+        return not reqs
+
+    poll(progress, limit, control.spins)
+    for req in reqs.values():
+        req.Cancel()
+        req.Wait()
+    missing = sorted(k for k in reqs if k not in latest)
+    behind = {k: latest[k] for k in reqs if k in latest}
+    if not wait_all_ranks and missing:
+        missing, behind = missing[:1], {}
+    ahead = max((latest[k] for k in arrived), default=epoch)
+    if ahead > epoch:  # rank 0 itself skipped barriers: catch up with the others
+        control.sync_epoch(ahead)
+        epoch = ahead
+    verdict = _verdict(pg, missing, behind, epoch, limit) if missing or behind else ""
+    message = np.frombuffer(f"{epoch}|{verdict}".encode(), np.uint8)
+    for k in sorted(arrived | set(behind) | {k for k in latest if k not in arrived}):
+        comm.Send(message, k, _RELEASE_TAG)  # small: sent eagerly
+    if verdict:
+        raise RuntimeError(verdict)
+
+
+def _report(pg: ProcessGroup, control: Any, epoch: int, limit: float) -> None:
+    """Other ranks: report to rank 0, then wait for its release (and adopt its number)."""
+    from mpi4py import MPI
+
+    comm = control.comm
+    comm.Send(np.array([epoch], np.int64), 0, _ARRIVE_TAG)
+    status = MPI.Status()
+    deadline = time.monotonic() + limit + _RELEASE_GRACE_S
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not poll(lambda: comm.Iprobe(0, _RELEASE_TAG, status), remaining, control.spins):
+            raise RuntimeError(
+                f"monitored_barrier: rank 0 of the group did not release this rank (rank {control.rank}) "
+                f"within {limit * 1000:.0f} ms (+{_RELEASE_GRACE_S:g} s): rank 0 gave up on this barrier "
+                "before this rank arrived, has not reached it, or is stuck"
+            )
+        text = bytearray(status.Get_count(MPI.BYTE))
+        comm.Recv(text, 0, _RELEASE_TAG)
+        number, _, verdict = text.decode().partition("|")
+        if int(number) >= epoch:  # older releases belong to barriers this rank gave up on
+            control.sync_epoch(int(number))
+            break
+    if verdict:
+        raise RuntimeError(f"{verdict} (reported by rank 0 of the group)")

@@ -1,0 +1,363 @@
+"""Debug levels: per-call traces (INFO) and cross-rank consistency checks (DETAIL).
+
+``MPIDIST_DEBUG=OFF|INFO|DETAIL`` (or, when it is unset, torch's
+``TORCH_DISTRIBUTED_DEBUG``) sets the level at ``init_process_group``;
+``set_debug_level`` changes it at run time for every group.
+
+* **OFF** (default): nothing is added; the fast lane runs.
+* **INFO**: every call logs one line per rank on the ``mpidist`` logger (a stderr
+  handler is attached if the logger has none): rank, operation, group, sequence
+  number, dtype and shape, bytes and duration.
+* **DETAIL**: INFO, plus before each collective the ranks of the group exchange a
+  description of their call (operation, sequence number, root, reduction,
+  dtypes and sizes) on the group's private communicator, bounded by its
+  timeout. If they disagree, every rank raises the same :class:`DistError`
+  listing what each rank called, e.g.
+  ``rank 0: broadcast float64[4] src=0 / rank 1: all_reduce float64[4] op=SUM``,
+  before any data moves, so the group is still usable afterwards.
+
+Both work by wrapping each group's backend (as torch's ProcessGroupWrapper does)
+while the level is above OFF; at OFF the wrapper is gone and costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from enum import IntEnum
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ._world import world
+from .errors import DistError
+
+__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
+
+logger = logging.getLogger("mpidist")
+
+
+class DebugLevel(IntEnum):
+    """How much mpidist checks and reports (torch's ``DebugLevel``)."""
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+def _parse(level: Any, fn: str) -> DebugLevel:
+    if isinstance(level, DebugLevel):
+        return level
+    if isinstance(level, str):
+        name = level.strip().upper()
+        if name in DebugLevel.__members__:
+            return DebugLevel[name]
+        raise ValueError(f"{fn}: debug level {level!r} is not one of OFF, INFO, DETAIL")
+    if isinstance(level, int) and not isinstance(level, bool):
+        try:
+            return DebugLevel(level)
+        except ValueError:
+            raise ValueError(f"{fn}: debug level {level} is not one of 0 (OFF), 1 (INFO), 2 (DETAIL)") from None
+    raise TypeError(f"{fn}: level must be a DebugLevel, its name or its number, got {type(level).__name__}")
+
+
+def get_debug_level() -> DebugLevel:
+    """Return the current debug level."""
+    return world.debug_level
+
+
+def set_debug_level(level: DebugLevel | str | int) -> None:
+    """Set the debug level for every existing and future group (every rank should set the same).
+
+    Example::
+
+        >>> dist.set_debug_level(dist.DebugLevel.DETAIL)   # or "DETAIL"
+    """
+    world.debug_level = _parse(level, "set_debug_level")
+    if world.debug_level > DebugLevel.OFF and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    for pg in list(world.groups.values()):
+        apply(pg)
+
+
+def set_debug_level_from_env() -> None:
+    """Set the level from ``MPIDIST_DEBUG``, else ``TORCH_DISTRIBUTED_DEBUG``, else OFF."""
+    for var in ("MPIDIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        value = os.environ.get(var)
+        if value is not None and value.strip():
+            try:
+                set_debug_level(value)
+            except ValueError:
+                raise ValueError(f"{var}={value!r} must be OFF, INFO or DETAIL") from None
+            return
+    set_debug_level(DebugLevel.OFF)
+
+
+def apply(pg: Any) -> None:
+    """Wrap or unwrap ``pg``'s backend to match the current level."""
+    wrapped = isinstance(pg.impl, DebugBackend)
+    if world.debug_level > DebugLevel.OFF and not wrapped:
+        pg.impl = DebugBackend(pg.impl, pg)
+    elif world.debug_level == DebugLevel.OFF and wrapped:
+        pg.impl = pg.impl.inner
+
+
+def _arr(a: np.ndarray | None) -> str:
+    if a is None:
+        return "-"
+    return f"{a.dtype.name}[{', '.join(str(int(s)) for s in a.shape)}]"
+
+
+def _op_name(op: Any) -> str:
+    base = getattr(op, "op", op)
+    return getattr(base, "name", str(base))
+
+
+class Call:
+    """What one rank passed to one collective, in plain data (sent to the other ranks)."""
+
+    __slots__ = ("op", "seq", "text", "root", "reduce", "dtype", "size", "sizes", "other")
+
+    def __init__(self, op: str, seq: int, text: str, root: int | None = None, reduce: str | None = None,
+                 dtype: str = "", size: int = 0, sizes: Sequence[int] = (), other: Any = None) -> None:  # fmt: skip
+        self.op, self.seq, self.text = op, seq, text
+        self.root, self.reduce, self.dtype, self.size = root, reduce, dtype, size
+        self.sizes = list(sizes)
+        self.other = other
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __setstate__(self, state: tuple) -> None:
+        for k, v in zip(self.__slots__, state):
+            setattr(self, k, v)
+
+
+def _listing(calls: list[Call]) -> str:
+    return " / ".join(f"rank {i}: {c.text}" for i, c in enumerate(calls))
+
+
+def _rule_same(field: str, what: str) -> Callable[[list[Call]], str | None]:
+    def rule(calls: list[Call]) -> str | None:
+        if len({getattr(c, field) for c in calls}) > 1:
+            return f"the ranks passed different {what}"
+        return None
+
+    return rule
+
+
+def _transposed(field_in: str, field_out: str, what: str) -> Callable[[list[Call]], str | None]:
+    """Rank i's ``field_in[j]`` must equal rank j's ``field_out[i]`` (sizes exchanged pairwise)."""
+
+    def rule(calls: list[Call]) -> str | None:
+        for i, ci in enumerate(calls):
+            for j, cj in enumerate(calls):
+                sent, room = getattr(ci, field_in)[j], getattr(cj, field_out)[i]
+                if sent != room:
+                    return f"{what}: rank {i} sends {sent} elements to rank {j}, which expects {room}"
+        return None
+
+    return rule
+
+
+def _rooted(what: str) -> Callable[[list[Call]], str | None]:
+    """The root's ``sizes[i]`` (its list) must equal rank i's ``size``."""
+
+    def rule(calls: list[Call]) -> str | None:
+        root = calls[0].root
+        if root is None or not 0 <= root < len(calls) or not calls[root].sizes:
+            return None
+        for i, c in enumerate(calls):
+            if calls[root].sizes[i] != c.size:
+                return f"{what}: the root's array for rank {i} has {calls[root].sizes[i]} elements, rank {i}'s has {c.size}"
+        return None
+
+    return rule
+
+
+def _all_gather_slots(calls: list[Call]) -> str | None:
+    """Every rank's slot i must have rank i's input size."""
+    for i, c in enumerate(calls):
+        for j, other in enumerate(calls):
+            if other.sizes[i] != c.size:
+                return f"all_gather: rank {j} expects {other.sizes[i]} elements from rank {i}, which sends {c.size}"
+    return None
+
+
+def _reduce_scatter_blocks(calls: list[Call]) -> str | None:
+    """Every rank's inputs must have the same sizes, and input j rank j's output size."""
+    for i, c in enumerate(calls):
+        if c.sizes != calls[0].sizes:
+            return f"reduce_scatter: rank {i}'s inputs have sizes {c.sizes}, rank 0's {calls[0].sizes}"
+    for j, c in enumerate(calls):
+        if calls[0].sizes[j] != c.size:
+            return f"reduce_scatter: the inputs for rank {j} have {calls[0].sizes[j]} elements, its output {c.size}"
+    return None
+
+
+_SAME_ROOT = _rule_same("root", "roots (src/dst)")
+_SAME_OP = _rule_same("reduce", "reduction ops")
+_SAME_DTYPE = _rule_same("dtype", "dtypes")
+_SAME_SIZE = _rule_same("size", "array sizes")
+
+#: What must agree between the ranks' calls, per collective (after op and sequence number).
+RULES: dict[str, list[Callable[[list[Call]], str | None]]] = {
+    "broadcast": [_SAME_ROOT, _SAME_DTYPE, _SAME_SIZE],
+    "all_reduce": [_SAME_OP, _SAME_DTYPE, _SAME_SIZE],
+    "reduce": [_SAME_ROOT, _SAME_OP, _SAME_DTYPE, _SAME_SIZE],
+    "all_gather_into_tensor": [_SAME_DTYPE, _SAME_SIZE],
+    "reduce_scatter_tensor": [_SAME_OP, _SAME_DTYPE, _SAME_SIZE],
+    "all_to_all_single": [_SAME_DTYPE, _transposed("sizes", "other", "all_to_all_single splits")],
+    "all_gather": [_SAME_DTYPE, _all_gather_slots],
+    "gather": [_SAME_ROOT, _SAME_DTYPE, _rooted("gather")],
+    "scatter": [_SAME_ROOT, _SAME_DTYPE, _rooted("scatter")],
+    "reduce_scatter": [_SAME_OP, _SAME_DTYPE, _reduce_scatter_blocks],
+    "all_to_all": [_SAME_DTYPE, _transposed("sizes", "other", "all_to_all")],
+    "barrier": [],
+}
+
+
+def verdict(calls: list[Call]) -> str | None:
+    """Return why the ranks' calls do not fit together, or None if they do."""
+    first = calls[0]
+    if any(c.op != first.op for c in calls):
+        return "the ranks called different collectives"
+    if any(c.seq != first.seq for c in calls):
+        return "the ranks are at different calls of this group (sequence numbers differ)"
+    for rule in RULES.get(first.op, []):
+        reason = rule(calls)
+        if reason:
+            return reason
+    return None
+
+
+class DebugBackend:
+    """Wraps a group's backend: traces each call (INFO) and checks it across ranks (DETAIL)."""
+
+    def __init__(self, inner: Any, pg: Any) -> None:
+        self.inner = inner
+        self.pg = pg
+
+    def __getattr__(self, name: str) -> Any:  # rank, size, seq, timeout_s, shutdown, ...
+        return getattr(self.inner, name)
+
+    # no fast lane: every call goes through the general lane, where arrays are described
+    def fast_all_reduce(self, *args: Any) -> Any:
+        return NotImplemented
+
+    fast_broadcast = fast_all_gather_into_tensor = fast_reduce_scatter_tensor = fast_all_to_all_single = fast_all_reduce
+
+    def _run(self, call: Call, nbytes: int, start: Callable[[], Any]) -> Any:
+        if world.debug_level >= DebugLevel.DETAIL:
+            self._check(call)
+        t0 = time.perf_counter()
+        result = start()
+        if world.debug_level >= DebugLevel.INFO:
+            took = time.perf_counter() - t0
+            mode = " (async, posted)" if result is not None else ""
+            logger.info(
+                f"[rank {self.pg.ranks[self.inner.rank]}] group={self.pg.group_name} #{call.seq} "
+                f"{call.text} {nbytes} B {took * 1e6:.1f} us{mode}"
+            )
+        return result
+
+    def _check(self, call: Call) -> None:
+        from .objects import gather_all
+
+        calls = gather_all(self.pg.control, call)
+        reason = verdict(calls)
+        if reason:
+            raise DistError(
+                f"{call.op} (call #{call.seq}) on group {self.pg.group_name}: {reason}: {_listing(calls)}. "
+                "Nothing was sent; the group is still usable."
+            )
+
+    def _call(self, op: str, text: str, **kw: Any) -> Call:
+        return Call(op, self.inner.seq + 1, f"{op} {text}".strip(), **kw)
+
+    # -- collectives -------------------------------------------------------------------
+    def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Any:
+        call = self._call("broadcast", f"{_arr(buf)} src={self.pg.ranks[root]}", root=root, dtype=buf.dtype.name, size=buf.size)
+        return self._run(call, buf.nbytes, lambda: self.inner.broadcast(buf, backs, root, async_op))
+
+    def all_reduce(self, buf: np.ndarray, backs: Any, op: Any, async_op: bool) -> Any:
+        r = _op_name(op)
+        call = self._call("all_reduce", f"{_arr(buf)} op={r}", reduce=r, dtype=buf.dtype.name, size=buf.size)
+        return self._run(call, buf.nbytes, lambda: self.inner.all_reduce(buf, backs, op, async_op))
+
+    def reduce(self, buf: np.ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Any:
+        r = _op_name(op)
+        call = self._call("reduce", f"{_arr(buf)} op={r} dst={self.pg.ranks[root]}", root=root, reduce=r, dtype=buf.dtype.name, size=buf.size)
+        return self._run(call, buf.nbytes, lambda: self.inner.reduce(buf, backs, op, root, async_op))
+
+    def all_gather(self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool) -> Any:
+        call = self._call("all_gather", f"{_arr(inp)} into {len(outs)} arrays", dtype=inp.dtype.name, size=inp.size,
+                          sizes=[o.size for o in outs])  # fmt: skip
+        return self._run(call, inp.nbytes, lambda: self.inner.all_gather(outs, backs, inp, async_op))
+
+    def all_gather_into_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool) -> Any:
+        call = self._call("all_gather_into_tensor", f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size)
+        return self._run(call, inp.nbytes, lambda: self.inner.all_gather_into_tensor(out, backs, inp, async_op))
+
+    def gather(self, inp: np.ndarray, outs: Any, backs: Any, root: int, async_op: bool) -> Any:
+        sizes = [o.size for o in outs] if outs is not None else []
+        call = self._call("gather", f"{_arr(inp)} dst={self.pg.ranks[root]}", root=root, dtype=inp.dtype.name, size=inp.size, sizes=sizes)
+        return self._run(call, inp.nbytes, lambda: self.inner.gather(inp, outs, backs, root, async_op))
+
+    def scatter(self, out: np.ndarray, backs: Any, ins: Any, root: int, async_op: bool) -> Any:
+        sizes = [a.size for a in ins] if ins is not None else []
+        call = self._call("scatter", f"{_arr(out)} src={self.pg.ranks[root]}", root=root, dtype=out.dtype.name, size=out.size, sizes=sizes)
+        return self._run(call, out.nbytes, lambda: self.inner.scatter(out, backs, ins, root, async_op))
+
+    def reduce_scatter(self, out: np.ndarray, backs: Any, ins: Sequence[np.ndarray], op: Any, async_op: bool) -> Any:
+        r = _op_name(op)
+        call = self._call("reduce_scatter", f"{len(ins)} arrays -> {_arr(out)} op={r}", reduce=r, dtype=out.dtype.name,
+                          size=out.size, sizes=[a.size for a in ins])  # fmt: skip
+        return self._run(call, out.nbytes, lambda: self.inner.reduce_scatter(out, backs, ins, op, async_op))
+
+    def reduce_scatter_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, op: Any, async_op: bool) -> Any:
+        r = _op_name(op)
+        call = self._call("reduce_scatter_tensor", f"{_arr(inp)} -> {_arr(out)} op={r}", reduce=r,
+                          dtype=inp.dtype.name, size=inp.size)  # fmt: skip
+        return self._run(call, inp.nbytes, lambda: self.inner.reduce_scatter_tensor(out, backs, inp, op, async_op))
+
+    def all_to_all_single(self, out: np.ndarray, backs: Any, inp: np.ndarray, out_counts: Any, in_counts: Any,
+                          async_op: bool) -> Any:  # fmt: skip
+        n = self.inner.size
+        sent = list(in_counts) if in_counts is not None else [inp.size // n] * n
+        room = list(out_counts) if out_counts is not None else [out.size // n] * n
+        call = self._call("all_to_all_single", f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size,
+                          sizes=sent, other=room)  # fmt: skip
+        return self._run(
+            call, inp.nbytes, lambda: self.inner.all_to_all_single(out, backs, inp, out_counts, in_counts, async_op)
+        )
+
+    def all_to_all(self, outs: Sequence[np.ndarray], backs: Any, ins: Sequence[np.ndarray], async_op: bool) -> Any:
+        call = self._call("all_to_all", f"{len(ins)} arrays -> {len(outs)} arrays", dtype=ins[0].dtype.name if ins else "",
+                          sizes=[a.size for a in ins], other=[o.size for o in outs])  # fmt: skip
+        return self._run(call, sum(a.nbytes for a in ins), lambda: self.inner.all_to_all(outs, backs, ins, async_op))
+
+    def barrier(self, async_op: bool) -> Any:
+        return self._run(self._call("barrier", ""), 0, lambda: self.inner.barrier(async_op))
+
+    # -- point-to-point (traced, not checked: ranks legitimately differ) -----------------
+    def send(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        return self._trace_p2p("send", buf, peer, tag, lambda: self.inner.send(buf, peer, tag))
+
+    def recv(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Any:
+        return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv(buf, backs, peer, tag))
+
+    def _trace_p2p(self, op: str, buf: np.ndarray, peer: int | None, tag: int, start: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        work = start()
+        if world.debug_level >= DebugLevel.INFO:
+            logger.info(
+                f"[rank {self.pg.ranks[self.inner.rank]}] {op} group={self.pg.group_name} p2p#{self.inner.p2p_seq} "
+                f"{_arr(buf)} peer={'any' if peer is None else peer} tag={tag} {buf.nbytes} B "
+                f"{(time.perf_counter() - t0) * 1e6:.1f} us (posted)"
+            )
+        return work
