@@ -69,6 +69,7 @@ class World:
         self.group_count = 0
         self.local_group_counts: dict[int, int] = {}  # groups made with use_local_synchronization
         self.control_comm: Any = None  # private MPI communicator for library traffic
+        self.control: Any = None  # an MPIBackend over control_comm (bounded waits, diagnoses)
         self.node_comm: Any = None  # shared-memory (node-local) split of the world
         self.init_info: dict[str, Any] = {}
 

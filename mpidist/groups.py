@@ -133,6 +133,7 @@ def new_group(
                 world.local_group_counts[digest] = count + 1
                 name = f"local-{digest:08x}-{count}"
             else:
+                world.control.gate(fn)
                 comm = control.Create(mpi_group)
                 name = world.next_group_name()
         finally:
@@ -143,21 +144,23 @@ def new_group(
 
 
 def _split(
-    parent_control: Any,
+    fn: str,
+    parent: Any,
     rank_lists: list[list[int]],
     td: timedelta,
     devices: dict[str, str],
     pg_options: Any,
     group_desc: str | None,
 ) -> tuple[ProcessGroup | None, list[Any]]:
-    """Create one group per list with a single MPI_Comm_split of ``parent_control``; return (mine, all)."""
+    """Create one group per list with one MPI_Comm_split of ``parent`` (an MPIBackend); return (mine, all)."""
     from mpi4py import MPI
 
     me = world.default_pg.rank() if world.default_pg is not None else -1
     color = next((i for i, lst in enumerate(rank_lists) if me in lst), MPI.UNDEFINED)
     key = rank_lists[color].index(me) if color != MPI.UNDEFINED else 0
     with world.lock:
-        comm = parent_control.Split(color, key)
+        parent.gate(fn)
+        comm = parent.comm.Split(color, key)
         names = [world.next_group_name() for _ in rank_lists]
         mine = None
         if color != MPI.UNDEFINED:
@@ -200,7 +203,7 @@ def new_subgroups(
     if group_size > n or n % group_size:
         raise ValueError(f"{fn}: the group size {n} must be divisible by group_size={group_size}")
     lists = [parent.ranks[i : i + group_size] for i in range(0, n, group_size)]
-    return _split(parent.control.comm, lists, td, devices, pg_options, group_desc)
+    return _split(fn, parent.control if group is not None else world.control, lists, td, devices, pg_options, group_desc)
 
 
 def new_subgroups_by_enumeration(
@@ -233,7 +236,7 @@ def new_subgroups_by_enumeration(
             if r in seen:
                 raise ValueError(f"{fn}: rank {r} appears in subgroups {seen[r]} and {i}; subgroups must not overlap")
             seen[r] = i
-    return _split(world.control_comm, lists, td, devices, pg_options, group_desc)
+    return _split(fn, world.control, lists, td, devices, pg_options, group_desc)
 
 
 def _member_group(group: Any, fn: str) -> ProcessGroup:

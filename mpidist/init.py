@@ -17,8 +17,10 @@ from urllib.parse import parse_qs, urlparse
 from ._world import world
 from .backends.registry import Backend, nccl_importable, parse_backend
 from .debug import set_debug_level_from_env
+from .errors import DistBackendError
 from .groups import make_group, timeout_arg
 from .process_group import ProcessGroup, resolve_group
+from .work import poll
 
 __all__ = [
     "init_process_group",
@@ -163,7 +165,15 @@ def init_process_group(
 
         from mpi4py import MPI  # initializes MPI on first use
 
-        control = MPI.COMM_WORLD.Dup()
+        from .backends.mpi import MPIBackend
+
+        # nonblocking, so that a rank that never calls init_process_group cannot hang the others
+        control, joined = MPI.COMM_WORLD.Idup()
+        if not poll(joined.Test, td.total_seconds()):
+            raise DistBackendError(
+                f"{fn}: not every rank called init_process_group within the timeout of {td}; "
+                "start every rank with the same program and check for ranks that failed earlier"
+            )
         try:
             mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
             _agree(control, _disagreements(claims, mpi_rank, mpi_size), fn)
@@ -183,6 +193,7 @@ def init_process_group(
             "oversubscribed": node.Get_size() > _usable_cpus(),
             "abort_on_timeout": os.environ.get("MPIDIST_ABORT_ON_TIMEOUT", "").strip().lower() in ("1", "true", "yes"),
         }
+        world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
             pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg", store)
         except BaseException:
@@ -202,7 +213,7 @@ def _usable_cpus() -> int:
 
 def _free_world_comms() -> None:
     for comm in (world.node_comm, world.control_comm):
-        if comm is not None:
+        if comm is not None and not (world.control is not None and world.control._stuck):
             comm.Free()
 
 

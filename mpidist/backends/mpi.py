@@ -671,6 +671,19 @@ class MPIBackend(BaseBackend):
         post = None if not backs else (lambda: _write_backs(backs))
         return self._done("all_to_all", req, post, (ins, outs), async_op)
 
+    def gate(self, op: str) -> None:
+        """A barrier named after ``op``, which needs every rank (MPI communicator creation).
+
+        Communicator-creation calls have no timeout in MPI; passing this bounded
+        barrier first means every rank is there, so the creation cannot hang.
+        """
+        self.seq += 1
+        try:
+            req = self.comm.Ibarrier()
+        except MPI.Exception as exc:
+            raise self._fail(op, exc) from exc
+        self._done(f"{op} (every rank must call it)", req, None, None, False)
+
     def barrier(self, async_op: bool) -> Work | None:
         self.seq += 1
         try:
