@@ -54,7 +54,8 @@ def _parse(level: Any, fn: str) -> DebugLevel:
         if name in DebugLevel.__members__:
             return DebugLevel[name]
         raise ValueError(f"{fn}: debug level {level!r} is not one of OFF, INFO, DETAIL")
-    if isinstance(level, int) and not isinstance(level, bool):
+    if hasattr(level, "__index__") and not isinstance(level, bool):
+        level = level.__index__()
         try:
             return DebugLevel(level)
         except ValueError:
@@ -75,11 +76,12 @@ def set_debug_level(level: DebugLevel | str | int) -> None:
         >>> dist.set_debug_level(dist.DebugLevel.DETAIL)   # or "DETAIL"
     """
     world.debug_level = _parse(level, "set_debug_level")
-    if world.debug_level > DebugLevel.OFF and not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+    if world.debug_level > DebugLevel.OFF:
         logger.setLevel(logging.INFO)
+        if not logger.hasHandlers():  # nobody logs anywhere: print to stderr ourselves
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
     for pg in list(world.groups.values()):
         apply(pg)
 
@@ -337,8 +339,9 @@ class DebugBackend:
         )
 
     def all_to_all(self, outs: Sequence[np.ndarray], backs: Any, ins: Sequence[np.ndarray], async_op: bool) -> Any:
-        call = self._call("all_to_all", f"{len(ins)} arrays -> {len(outs)} arrays", dtype=ins[0].dtype.name if ins else "",
-                          sizes=[a.size for a in ins], other=[o.size for o in outs])  # fmt: skip
+        dtype = ins[0].dtype.name if ins else ""
+        sent, room = [a.size for a in ins], [o.size for o in outs]
+        call = self._call("all_to_all", f"{dtype} sizes {sent} -> {room}", dtype=dtype, sizes=sent, other=room)
         return self._run(call, sum(a.nbytes for a in ins), lambda: self.inner.all_to_all(outs, backs, ins, async_op))
 
     def barrier(self, async_op: bool) -> Any:
@@ -357,7 +360,7 @@ class DebugBackend:
         if world.debug_level >= DebugLevel.INFO:
             logger.info(
                 f"[rank {self.pg.ranks[self.inner.rank]}] {op} group={self.pg.group_name} p2p#{self.inner.p2p_seq} "
-                f"{_arr(buf)} peer={'any' if peer is None else peer} tag={tag} {buf.nbytes} B "
+                f"{_arr(buf)} peer={'any' if peer is None else self.pg.ranks[peer]} tag={tag} {buf.nbytes} B "
                 f"{(time.perf_counter() - t0) * 1e6:.1f} us (posted)"
             )
         return work
