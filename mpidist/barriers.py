@@ -6,8 +6,9 @@ a failure rank 0 raises ``Rank 1 failed to pass monitored_barrier in 2000 ms``
 (all missing ranks with ``wait_all_ranks=True``, else the first one), the ranks
 that did arrive raise the same verdict, and a rank that never hears from rank 0
 raises after the timeout too. The messages travel on the group's private control
-communicator, numbered per barrier so that a late arrival from an earlier,
-failed barrier is never mistaken for one of the current barrier.
+communicator, numbered per barrier, and a rank that gives up withdraws its
+report, so that a late or abandoned arrival from an earlier, failed barrier is
+never mistaken for one of the current barrier.
 """
 
 from __future__ import annotations
@@ -87,54 +88,74 @@ def _verdict(pg: ProcessGroup, missing: list[int], behind: dict[int, int], epoch
 def _collect(pg: ProcessGroup, control: Any, epoch: int, limit: float, wait_all_ranks: bool) -> None:
     """Rank 0: wait for every other rank's report, then release the reporters with the verdict.
 
-    A report numbered below ``epoch`` is either late (from an earlier, failed
-    barrier) or from a rank that skipped barriers: rank 0 keeps listening for a
-    newer one until the timeout and then names the rank as out of step. Every
-    release carries rank 0's number, which the released ranks adopt.
+    Each rank ``k`` sends rank 0 its barrier number when it arrives, and the
+    number negated when it gives up waiting for its release (a *withdrawal*).
+    Rank 0 keeps one receive posted per rank and reads every message a rank has
+    sent, in order, so that a report a rank has since withdrawn (it timed out in
+    an earlier barrier that rank 0 skipped) is not counted. A live report
+    numbered below ``epoch`` comes from a rank that skipped barriers: rank 0
+    names it as out of step. Every release carries rank 0's number, which the
+    released ranks adopt; if the others are ahead, rank 0 adopts theirs.
     """
+    from mpi4py import MPI
+
     comm = control.comm
     n = control.size
     boxes = {k: np.zeros(1, np.int64) for k in range(1, n)}
     reqs = {k: comm.Irecv(boxes[k], k, _ARRIVE_TAG) for k in range(1, n)}
-    latest: dict[int, int] = {}  # newest number seen from each rank
-    arrived: set[int] = set()
+    live: dict[int, int] = {}  # each rank's newest report that it has not withdrawn
     deadline = time.monotonic() + limit
 
+    def take(k: int) -> None:
+        number = int(boxes[k][0])
+        if number > 0:
+            live[k] = number
+        elif live.get(k) == -number:
+            del live[k]
+
     def progress() -> bool:
-        for k, req in list(reqs.items()):
+        fresh = False
+        for k, req in reqs.items():
             if req.Test():
-                latest[k] = int(boxes[k][0])
-                if latest[k] >= epoch:
-                    arrived.add(k)
-                    del reqs[k]
-                else:  # behind: listen for a newer report
-                    reqs[k] = comm.Irecv(boxes[k], k, _ARRIVE_TAG)
-        if not wait_all_ranks and time.monotonic() > deadline and any(k not in latest for k in reqs):
-            return True  # fail fast at the first rank that has not reported at all
-        return not reqs
+                take(k)
+                reqs[k] = comm.Irecv(boxes[k], k, _ARRIVE_TAG)
+                fresh = True
+        if fresh:
+            return False  # read on: a withdrawal may follow a report
+        if all(live.get(k, 0) >= epoch for k in reqs):
+            return True
+        return not wait_all_ranks and time.monotonic() > deadline and any(k not in live for k in reqs)
 
     poll(progress, limit, control.spins)
-    for req in reqs.values():
+    status = MPI.Status()
+    for k, req in reqs.items():
         req.Cancel()
-        req.Wait()
-    missing = sorted(k for k in reqs if k not in latest)
-    behind = {k: latest[k] for k in reqs if k in latest}
+        req.Wait(status)
+        if not status.Is_cancelled():  # matched a message after all
+            take(k)
+    arrived = {k for k, number in live.items() if number >= epoch}
+    missing = sorted(k for k in reqs if k not in live)
+    behind = {k: number for k, number in live.items() if number < epoch}
     if not wait_all_ranks and missing:
         missing, behind = missing[:1], {}
-    ahead = max((latest[k] for k in arrived), default=epoch)
+    ahead = max((live[k] for k in arrived), default=epoch)
     if ahead > epoch:  # rank 0 itself skipped barriers: catch up with the others
         control.sync_epoch(ahead)
         epoch = ahead
     verdict = _verdict(pg, missing, behind, epoch, limit) if missing or behind else ""
     message = np.frombuffer(f"{epoch}|{verdict}".encode(), np.uint8)
-    for k in sorted(arrived | set(behind) | {k for k in latest if k not in arrived}):
+    for k in sorted(live):
         comm.Send(message, k, _RELEASE_TAG)  # small: sent eagerly
     if verdict:
         raise RuntimeError(verdict)
 
 
 def _report(pg: ProcessGroup, control: Any, epoch: int, limit: float) -> None:
-    """Other ranks: report to rank 0, then wait for its release (and adopt its number)."""
+    """Other ranks: report to rank 0, then wait for its release (and adopt its number).
+
+    A rank that gives up withdraws its report, so that rank 0, if it reaches this
+    barrier later, does not count it.
+    """
     from mpi4py import MPI
 
     comm = control.comm
@@ -144,6 +165,7 @@ def _report(pg: ProcessGroup, control: Any, epoch: int, limit: float) -> None:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not poll(lambda: comm.Iprobe(0, _RELEASE_TAG, status), remaining, control.spins):
+            comm.Send(np.array([-epoch], np.int64), 0, _ARRIVE_TAG)  # small: sent eagerly
             raise RuntimeError(
                 f"monitored_barrier: rank 0 of the group did not release this rank (rank {control.rank}) "
                 f"within {limit * 1000:.0f} ms (+{_RELEASE_GRACE_S:g} s): rank 0 gave up on this barrier "

@@ -213,7 +213,7 @@ def _usable_cpus() -> int:
 
 def _free_world_comms() -> None:
     for comm in (world.node_comm, world.control_comm):
-        if comm is not None and not (world.control is not None and world.control._stuck):
+        if comm is not None and not (world.control is not None and world.control.pending()):
             comm.Free()
 
 

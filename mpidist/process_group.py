@@ -66,8 +66,8 @@ class ProcessGroup:
         self.destroyed = True
         self.impl.shutdown()
         self.control.shutdown()
-        if self._comm is not None:
-            self._comm.Free()
+        if self._comm is not None and not (self.impl.pending() or self.control.pending()):
+            self._comm.Free()  # else left allocated, see MPIBackend.shutdown
 
     @property
     def mpi_comm(self) -> Any:

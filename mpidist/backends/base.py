@@ -90,6 +90,10 @@ class BaseBackend(ABC):
         """Keep the requests and buffers of a Work that was dropped before completing."""
         self._stuck.append((reqs, keep))
 
+    def pending(self) -> bool:
+        """True while operations that timed out or were dropped may still be running in the library."""
+        return bool(self._stuck)
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
 

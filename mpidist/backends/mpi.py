@@ -13,8 +13,8 @@ on them natively runs on a float32 copy that is rounded back (counted as a copy)
 
 List collectives (all_gather into a list, gather, scatter, all_to_all) address
 the caller's arrays directly: the vector variants of the MPI calls get byte
-counts and absolute addresses relative to ``MPI.BOTTOM``, so separate arrays
-need no packing.
+counts and displacements relative to the lowest of the arrays, so separate
+arrays need no packing (see ``_vector``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from .base import BaseBackend
 __all__ = ["MPIBackend", "type_table"]
 
 IN_PLACE = MPI.IN_PLACE
-BOTTOM = MPI.BOTTOM
 BYTE = MPI.BYTE
 ANY_SOURCE = MPI.ANY_SOURCE
 Op = MPI.Op
@@ -59,6 +58,11 @@ _WIDE = np.dtype(np.float32)
 #: measured with MPICH 5 on 2 ranks, the vector variant costs +2.3 us at 8 B, while the
 #: block variant is 8x slower than blocking MPI from 256 KiB up (1151 vs 134 us at 1 MiB).
 _BLOCK_VARIANT_LIMIT = 256 << 10
+
+#: whether mpi4py passes 64-bit counts and displacements to MPI (MPI-4 large-count routines)
+_LARGE_COUNTS = MPI.Get_version() >= (4, 0)
+_INT_MAX = 2**31 - 1
+_EMPTY = np.empty(0, np.uint8)
 
 #: marks an op that needs more than one native MPI call (AVG, PREMUL_SUM, widening)
 _GENERAL = object()
@@ -147,7 +151,7 @@ def _address(a: ndarray) -> int:
 
 
 def _layout(arrays: Sequence[ndarray], fn: str, arg: str, check_overlap: bool) -> tuple[list[int], list[int]]:
-    """Return byte counts and absolute addresses of ``arrays`` for BOTTOM-based vector calls."""
+    """Return byte counts and absolute addresses of ``arrays`` (checking outputs do not overlap)."""
     counts = [a.nbytes for a in arrays]
     addrs = [_address(a) if n else 0 for a, n in zip(arrays, counts)]
     if check_overlap:
@@ -158,6 +162,37 @@ def _layout(arrays: Sequence[ndarray], fn: str, arg: str, check_overlap: bool) -
                     f"{fn}: {arg}[{i}] and {arg}[{j}] overlap in memory; every output needs its own memory"
                 )
     return counts, addrs
+
+
+def _vector(
+    arrays: Sequence[ndarray], fn: str, arg: str, output: bool
+) -> tuple[list[Any], list[int] | None, list[tuple[ndarray, ndarray]]]:
+    """The message ``[buffer, byte counts, byte displacements, BYTE]`` for a list of arrays.
+
+    The buffer starts at the lowest array and the displacements are offsets from
+    it, so MPI reads and writes the arrays where they are (no packing). Returns the
+    message, the arrays' absolute addresses (None if staged) and the write-backs a
+    staged output needs. An MPI library without MPI-4 large counts cannot express
+    offsets beyond 2^31 bytes: then the arrays go through one staging buffer.
+    """
+    counts, addrs = _layout(arrays, fn, arg, output)
+    live = [(addr, n) for addr, n in zip(addrs, counts) if n]
+    if not live:
+        return [_EMPTY, counts, [0] * len(counts), BYTE], addrs, []
+    base = min(addr for addr, _ in live)
+    span = max(addr + n for addr, n in live) - base
+    if span <= _INT_MAX or _LARGE_COUNTS:
+        displs = [addr - base if n else 0 for addr, n in zip(addrs, counts)]
+        return [MPI.buffer.fromaddress(base, span), counts, displs, BYTE], addrs, []
+    staging = np.empty(sum(counts), np.uint8)
+    world.stats.count_copy(staging.nbytes)
+    displs = _displacements(counts)
+    views = [staging[d : d + n].view(a.dtype).reshape(a.shape) for d, n, a in zip(displs, counts, arrays)]
+    if not output:
+        for view, a in zip(views, arrays):
+            np.copyto(view, a)
+    backs = list(zip(views, arrays)) if output else []
+    return [staging, counts, displs, BYTE], None, backs
 
 
 def _consecutive(arrays: Sequence[ndarray]) -> bool:
@@ -231,8 +266,17 @@ class MPIBackend(BaseBackend):
         self._epoch = max(self._epoch, epoch)
 
     # -- plumbing -----------------------------------------------------------------------
+    def pending(self) -> bool:
+        self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
+        return bool(self._stuck or self._orphans)
+
     def shutdown(self) -> None:
-        if self._owns_comm and self.comm != MPI.COMM_NULL:
+        """Free the communicator if this backend owns it and nothing may still use it.
+
+        A communicator with operations that timed out is left allocated (a small
+        leak): freeing it under a pending operation aborts the job in Open MPI.
+        """
+        if self._owns_comm and self.comm != MPI.COMM_NULL and not self.pending():
             self.comm.Free()
 
     def adopt(self, reqs: list[MPI.Request], keep: Any) -> None:
@@ -569,20 +613,21 @@ class MPIBackend(BaseBackend):
 
     def all_gather(self, outs: Sequence[ndarray], backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
-        counts, addrs = _layout(outs, "all_gather", "tensor_list", True)
-        smsg = self._own_block(inp, outs[self.rank], addrs[self.rank], outs)
+        rmsg, addrs, staged = _vector(outs, "all_gather", "tensor_list", True)
+        smsg = self._own_block(inp, outs[self.rank], addrs, outs)
         try:
-            req = self.comm.Iallgatherv(smsg, [BOTTOM, counts, addrs, BYTE])
+            req = self.comm.Iallgatherv(smsg, rmsg)
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from exc
+        backs = (backs or []) + staged
         post = None if not backs else (lambda: _write_backs(backs))
-        return self._done("all_gather", req, post, (inp, outs, smsg), async_op)
+        return self._done("all_gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
-    def _own_block(self, inp: ndarray, mine: ndarray, mine_addr: int, outs: Sequence[ndarray]) -> Any:
+    def _own_block(self, inp: ndarray, mine: ndarray, addrs: list[int] | None, outs: Sequence[ndarray]) -> Any:
         """The send message of a rank whose output block may be (or overlap) its input."""
-        if not any(_arrays.may_overlap(inp, o) for o in outs):
-            return [inp, inp.nbytes, BYTE]
-        if inp.nbytes and mine.nbytes == inp.nbytes and _address(inp) == mine_addr:
+        if addrs is None or not any(_arrays.may_overlap(inp, o) for o in outs):
+            return [inp, inp.nbytes, BYTE]  # (outputs staged elsewhere, or no overlap)
+        if inp.nbytes and mine.nbytes == inp.nbytes and _address(inp) == addrs[self.rank]:
             return IN_PLACE
         copy = self._separate(inp)
         return [copy, copy.nbytes, BYTE]
@@ -591,44 +636,41 @@ class MPIBackend(BaseBackend):
         self, inp: ndarray, outs: Sequence[ndarray] | None, backs: Any, root: int, async_op: bool
     ) -> Work | None:
         self.seq += 1
+        staged: list[tuple[ndarray, ndarray]] = []
         if outs is None:
             smsg: Any = [inp, inp.nbytes, BYTE]
             rmsg = None
         else:
-            counts, addrs = _layout(outs, "gather", "gather_list", True)
-            smsg = self._own_block(inp, outs[self.rank], addrs[self.rank], outs)
-            rmsg = [BOTTOM, counts, addrs, BYTE]
+            rmsg, addrs, staged = _vector(outs, "gather", "gather_list", True)
+            smsg = self._own_block(inp, outs[self.rank], addrs, outs)
         try:
             req = self.comm.Igatherv(smsg, rmsg, root)
         except MPI.Exception as exc:
             raise self._fail("gather", exc) from exc
+        backs = (backs or []) + staged
         post = None if not backs else (lambda: _write_backs(backs))
-        return self._done("gather", req, post, (inp, outs, smsg), async_op)
+        return self._done("gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def scatter(
         self, out: ndarray, backs: Any, ins: Sequence[ndarray] | None, root: int, async_op: bool
     ) -> Work | None:
         self.seq += 1
         rmsg: Any = [out, out.nbytes, BYTE]
-        if ins is None:
-            smsg = None
-        else:
-            counts, addrs = _layout(ins, "scatter", "scatter_list", False)
-            smsg = [BOTTOM, counts, addrs, BYTE]
+        smsg = None
+        if ins is not None:
             if any(_arrays.may_overlap(out, a) for a in ins):
                 mine = ins[self.rank]
-                if out.nbytes and mine.nbytes == out.nbytes and addrs[self.rank] == _address(out):
+                if out.nbytes and mine.nbytes == out.nbytes and _address(mine) == _address(out):
                     rmsg = IN_PLACE  # this rank's block already is its output
                 else:
                     ins = [self._separate(a) if _arrays.may_overlap(out, a) else a for a in ins]
-                    counts, addrs = _layout(ins, "scatter", "scatter_list", False)
-                    smsg = [BOTTOM, counts, addrs, BYTE]
+            smsg = _vector(ins, "scatter", "scatter_list", False)[0]
         try:
             req = self.comm.Iscatterv(smsg, rmsg, root)
         except MPI.Exception as exc:
             raise self._fail("scatter", exc) from exc
         post = None if not backs else (lambda: _write_backs(backs))
-        return self._done("scatter", req, post, (out, ins), async_op)
+        return self._done("scatter", req, post, (out, ins, smsg), async_op)
 
     def all_to_all_single(
         self,
@@ -660,16 +702,17 @@ class MPIBackend(BaseBackend):
         self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool
     ) -> Work | None:
         self.seq += 1
-        rcounts, raddrs = _layout(outs, "all_to_all", "output_tensor_list", True)
+        rmsg, _, staged = _vector(outs, "all_to_all", "output_tensor_list", True)
         if any(_arrays.may_overlap(o, a) for o in outs for a in ins):
             ins = [self._separate(a) for a in ins]
-        scounts, saddrs = _layout(ins, "all_to_all", "input_tensor_list", False)
+        smsg = _vector(ins, "all_to_all", "input_tensor_list", False)[0]
         try:
-            req = self.comm.Ialltoallv([BOTTOM, scounts, saddrs, BYTE], [BOTTOM, rcounts, raddrs, BYTE])
+            req = self.comm.Ialltoallv(smsg, rmsg)
         except MPI.Exception as exc:
             raise self._fail("all_to_all", exc) from exc
+        backs = (backs or []) + staged
         post = None if not backs else (lambda: _write_backs(backs))
-        return self._done("all_to_all", req, post, (ins, outs), async_op)
+        return self._done("all_to_all", req, post, (ins, outs, smsg, rmsg), async_op)
 
     def gate(self, op: str) -> None:
         """A barrier named after ``op``, which needs every rank (MPI communicator creation).
@@ -714,6 +757,11 @@ class MPIBackend(BaseBackend):
 
         def finish() -> None:
             got = status.Get_count(e.mpi)
+            if status.Get_error() == MPI.ERR_TRUNCATE:  # Open MPI reports the count it kept
+                raise ValueError(
+                    f"recv: a message from rank {status.Get_source()} (group rank) is larger than the "
+                    f"{buf.size} elements of {e.info.name} expected; sizes must match"
+                )
             if got != buf.size:
                 raise ValueError(
                     f"recv: expected {buf.size} elements of {e.info.name} from rank "

@@ -1,0 +1,368 @@
+"""Ending the job: ``python -m mpidist``, the excepthook, abort_process_group, MPIDIST_ABORT_ON_TIMEOUT.
+
+Each case runs a child interpreter (on rank 0 only; the other ranks wait at a
+barrier) with a clean environment: the launcher's variables are dropped so that a
+plain ``python`` child is a singleton MPI world, not a member of this job. A few
+cases launch a small job of their own with ``mpiexec`` to see the whole job end.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpidist.abort import ABORT_CODE
+
+RANK = MPI.COMM_WORLD.Get_rank()
+REPO = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+CHILD_TIMEOUT_S = 60
+
+#: variables of MPI launchers (MPICH/Hydra, PMIx, Open MPI); HYDI_ and MPI_LOCAL are Hydra's too
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPICH_", "OMPI_", "HYDI_", "MPI_LOCAL")
+#: variables mpidist reads that would change what the child does
+OTHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MPIDIST_ABORT_ON_TIMEOUT",
+    "MPIDIST_DEBUG",
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def on_rank_0(test):
+    """Run the test body on rank 0 only; every rank then meets at a barrier (also when rank 0 fails)."""
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        try:
+            if RANK == 0:
+                test(*args, **kwargs)
+        finally:
+            MPI.COMM_WORLD.Barrier()
+
+    return wrapper
+
+
+def clean_env(extra_path: Path | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in OTHER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (extra_path, REPO) if p is not None)
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, launcher: list[str] | None = None):
+    """Run ``python args...`` (under ``launcher`` if given); return (CompletedProcess, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*(launcher or []), sys.executable, *args],
+        cwd=cwd,
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    return proc, time.monotonic() - start
+
+
+def script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def is_mpi_library_line(line: str) -> bool:
+    """MPICH's own report of MPI_Abort ("Abort(70) on node 0 ...: application called MPI_Abort(...)")."""
+    return "MPI_Abort(" in line
+
+
+def check_prefixed(stderr: str, rank: int) -> None:
+    """Every line of ours on stderr starts with "[rank N] " (MPI's own abort notice aside)."""
+    ours = [line for line in stderr.splitlines() if not is_mpi_library_line(line)]
+    assert ours, f"nothing on stderr: {stderr!r}"
+    bad = [line for line in ours if not line.startswith(f"[rank {rank}] ")]
+    assert not bad, f"lines without the [rank {rank}] prefix: {bad}\n--- stderr:\n{stderr}"
+
+
+def check_aborted_traceback(proc: subprocess.CompletedProcess, exc_line: str, script_name: str) -> None:
+    assert proc.returncode == ABORT_CODE, (
+        f"exit {proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+    )
+    check_prefixed(proc.stderr, 0)
+    assert "[rank 0] Traceback (most recent call last):" in proc.stderr, proc.stderr
+    assert re.search(rf'^\[rank 0\]   File ".*{re.escape(script_name)}", line \d+', proc.stderr, re.M), proc.stderr
+    assert f"[rank 0] {exc_line}\n" in proc.stderr, proc.stderr
+    assert re.search(r"^\[rank 0\] .*aborting the job", proc.stderr, re.M), proc.stderr
+    # the frames of python -m mpidist itself are not shown
+    assert "runpy" not in proc.stderr, proc.stderr
+    assert os.path.join("mpidist", "__main__.py") not in proc.stderr, proc.stderr
+
+
+RAISES = """\
+    import mpidist as dist
+
+    dist.init_process_group()
+    print("before the error", flush=True)
+    raise ValueError("boom 42")
+"""
+
+
+# -- python -m mpidist and the excepthook -------------------------------------------------------
+
+
+@on_rank_0
+def test_main_aborts_on_unhandled_exception(tmp_path):
+    path = script(tmp_path, RAISES)
+    proc, _ = run(["-m", "mpidist", str(path)], tmp_path)
+    check_aborted_traceback(proc, "ValueError: boom 42", "script.py")
+    assert "before the error" in proc.stdout
+    assert "unhandled ValueError" in proc.stderr
+
+
+@on_rank_0
+def test_install_excepthook_aborts_on_unhandled_exception(tmp_path):
+    path = script(tmp_path, "import mpidist\nmpidist.install_excepthook()\n" + textwrap.dedent(RAISES))
+    proc, _ = run([str(path)], tmp_path)
+    check_aborted_traceback(proc, "ValueError: boom 42", "script.py")
+    assert "before the error" in proc.stdout
+
+
+@on_rank_0
+def test_without_the_hook_an_exception_is_a_plain_traceback(tmp_path):
+    """Control: the same script run with plain python has no prefix and exits 1."""
+    path = script(tmp_path, RAISES)
+    proc, _ = run([str(path)], tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "[rank" not in proc.stderr
+    assert "ValueError: boom 42" in proc.stderr
+
+
+@on_rank_0
+def test_main_runs_a_script_that_exits_normally(tmp_path):
+    path = script(
+        tmp_path,
+        """\
+        import sys
+        import mpidist as dist
+
+        dist.init_process_group()
+        print(f"name={__name__} argv={sys.argv} rank={dist.get_rank()} size={dist.get_world_size()}")
+        dist.destroy_process_group()
+        """,
+    )
+    proc, _ = run(["-m", "mpidist", str(path), "x", "--flag"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"name=__main__ argv=[{str(path)!r}, 'x', '--flag'] rank=0 size=1" in proc.stdout
+    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@on_rank_0
+def test_main_passes_on_sys_exit(tmp_path):
+    """sys.exit(3) is not an error to abort on: the exit code is the script's."""
+    path = script(tmp_path, "import sys\nimport mpidist as dist\ndist.init_process_group()\nsys.exit(3)\n")
+    proc, _ = run(["-m", "mpidist", str(path)], tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "aborting" not in proc.stderr
+
+
+@on_rank_0
+def test_main_runs_a_module(tmp_path):
+    (tmp_path / "mymod_ok.py").write_text(
+        "import sys\nimport mpidist as dist\ndist.init_process_group()\n"
+        "print('module', __name__, sys.argv[1:], dist.get_world_size())\n"
+    )
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc, _ = run(["-m", "mpidist", "-m", "mymod_ok", "a", "b"], elsewhere, clean_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "module __main__ ['a', 'b'] 1" in proc.stdout
+
+
+@on_rank_0
+def test_main_module_that_raises_aborts(tmp_path):
+    (tmp_path / "mymod_bad.py").write_text(textwrap.dedent(RAISES))
+    proc, _ = run(["-m", "mpidist", "-m", "mymod_bad"], tmp_path, clean_env(tmp_path))
+    check_aborted_traceback(proc, "ValueError: boom 42", "mymod_bad.py")
+
+
+@on_rank_0
+def test_main_without_arguments_prints_usage(tmp_path):
+    proc, _ = run(["-m", "mpidist"], tmp_path)
+    assert proc.returncode == 2
+    assert "usage: python -m mpidist script.py" in proc.stdout + proc.stderr
+
+
+@on_rank_0
+def test_main_dash_m_without_module_prints_usage(tmp_path):
+    proc, _ = run(["-m", "mpidist", "-m"], tmp_path)
+    assert proc.returncode == 2
+    assert "usage: python -m mpidist" in proc.stderr
+
+
+@on_rank_0
+def test_main_help(tmp_path):
+    proc, _ = run(["-m", "mpidist", "--help"], tmp_path)
+    assert proc.returncode == 0
+    assert "usage: python -m mpidist" in proc.stdout
+
+
+@on_rank_0
+def test_exception_before_mpi_is_initialized_is_prefixed_but_not_aborted(tmp_path):
+    """Before MPI is initialized there is nothing to abort: the traceback is prefixed (rank from the
+    launcher's PMI_RANK) and the process exits like any failed Python program."""
+    path = script(tmp_path, 'print("started", flush=True)\nraise KeyError("before init")\n')
+    proc, _ = run(["-m", "mpidist", str(path)], tmp_path, clean_env(PMI_RANK="3"))
+    assert proc.returncode == 1, proc.stderr
+    check_prefixed(proc.stderr, 3)
+    assert "[rank 3] KeyError: 'before init'\n" in proc.stderr
+    assert "aborting" not in proc.stderr
+    assert "started" in proc.stdout
+
+
+# -- abort_process_group --------------------------------------------------------------------------
+
+
+@on_rank_0
+@pytest.mark.parametrize("how", ["default", "subgroup", "errorcode"])
+def test_abort_process_group(tmp_path, how):
+    args = {"default": "", "subgroup": "dist.new_group()", "errorcode": "None, 5"}[how]
+    path = script(
+        tmp_path,
+        f"""\
+        import mpidist as dist
+
+        dist.init_process_group()
+        dist.abort_process_group({args}{", " if args else ""}message="giving up\\nsecond line")
+        print("not reached", flush=True)
+        """,
+    )
+    proc, _ = run([str(path)], tmp_path)
+    assert proc.returncode == (5 if how == "errorcode" else ABORT_CODE), proc.stderr
+    check_prefixed(proc.stderr, 0)
+    assert "[rank 0] giving up\n[rank 0] second line\n" in proc.stderr
+    assert "not reached" not in proc.stdout
+
+
+# -- MPIDIST_ABORT_ON_TIMEOUT --------------------------------------------------------------------
+
+TIMES_OUT = """\
+    import numpy as np
+    import mpidist as dist
+
+    dist.init_process_group(timeout=30)
+    work = dist.irecv(np.zeros(2), src=0, tag=1)  # nothing is ever sent
+    try:
+        work.wait(timeout=0.5)
+    except dist.DistBackendError as exc:
+        print("caught:", exc, flush=True)
+    y = np.ones(2)
+    dist.all_reduce(y)
+    print("still usable:", y.tolist(), flush=True)
+"""
+
+
+@on_rank_0
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_abort_on_timeout(tmp_path, value):
+    path = script(tmp_path, TIMES_OUT)
+    proc, took = run([str(path)], tmp_path, clean_env(MPIDIST_ABORT_ON_TIMEOUT=value))
+    assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    check_prefixed(proc.stderr, 0)
+    assert re.search(
+        r"^\[rank 0\] recv \(call #1\) on group .* did not complete within the timeout of 0\.5 s", proc.stderr, re.M
+    )
+    assert "MPIDIST_ABORT_ON_TIMEOUT" in proc.stderr
+    assert "caught:" not in proc.stdout
+    assert took < CHILD_TIMEOUT_S
+
+
+@on_rank_0
+@pytest.mark.parametrize("value", [None, "0", ""])
+def test_without_abort_on_timeout_the_error_is_raised(tmp_path, value):
+    path = script(tmp_path, TIMES_OUT)
+    env = clean_env() if value is None else clean_env(MPIDIST_ABORT_ON_TIMEOUT=value)
+    proc, _ = run([str(path)], tmp_path, env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(
+        r"^caught: recv \(call #1\) on group .* did not complete within the timeout of 0\.5 s", proc.stdout, re.M
+    )
+    assert "still usable: [1.0, 1.0]" in proc.stdout
+    assert "MPIDIST_ABORT_ON_TIMEOUT" not in proc.stderr
+
+
+# -- a whole job (nested mpiexec) ------------------------------------------------------------------
+
+needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason="no mpiexec next to the interpreter")
+
+
+@needs_mpiexec
+@on_rank_0
+def test_one_rank_fails_and_the_job_ends(tmp_path):
+    """Rank 1 raises; rank 0 waits in a barrier with a 60 s timeout: the job ends at once with exit 70."""
+    path = script(
+        tmp_path,
+        """\
+        import mpidist as dist
+
+        dist.init_process_group(timeout=60)
+        if dist.get_rank() == 1:
+            raise ValueError("rank one fails")
+        dist.barrier()
+        print("rank 0 passed the barrier", flush=True)
+        """,
+    )
+    proc, took = run(["-m", "mpidist", str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert took < 30, f"the job took {took:.1f} s to end"
+    assert "[rank 1] ValueError: rank one fails\n" in proc.stderr
+    assert re.search(r"^\[rank 1\] .*aborting the job", proc.stderr, re.M)
+    assert "[rank 0]" not in proc.stderr
+    assert "passed the barrier" not in proc.stdout
+    tb = [line for line in proc.stderr.splitlines() if not is_mpi_library_line(line)]
+    assert tb and all(line.startswith("[rank 1] ") for line in tb), proc.stderr
+
+
+@needs_mpiexec
+@on_rank_0
+def test_abort_on_timeout_ends_the_whole_job(tmp_path):
+    """MPIDIST_ABORT_ON_TIMEOUT=1: rank 0's all_reduce times out (rank 1 sleeps 40 s): the job ends at once."""
+    path = script(
+        tmp_path,
+        """\
+        import time
+        import numpy as np
+        import mpidist as dist
+
+        dist.init_process_group(timeout=60)
+        g = dist.new_group(timeout=1)
+        if dist.get_rank() == 1:
+            time.sleep(40)
+            print("rank 1 woke up", flush=True)
+        else:
+            dist.all_reduce(np.ones(2), group=g)
+        """,
+    )
+    proc, took = run([str(path)], tmp_path, clean_env(MPIDIST_ABORT_ON_TIMEOUT="1"), launcher=[str(MPIEXEC), "-n", "2"])
+    assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert took < 30, f"the job took {took:.1f} s to end"
+    assert re.search(
+        r"^\[rank 0\] all_reduce \(call #1\) on group \S+ \(mpi, rank 0 of 2\) did not complete within the timeout of 1 s\. "
+        r"Rank 1: no answer",
+        proc.stderr,
+        re.M,
+    ), proc.stderr
+    assert "MPIDIST_ABORT_ON_TIMEOUT" in proc.stderr
+    assert "woke up" not in proc.stdout
