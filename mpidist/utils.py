@@ -1,0 +1,529 @@
+"""Lightning's distributed utilities (``pytorch_lightning.utilities.distributed``) for numpy arrays.
+
+Same names, parameters and results as Lightning's, built on mpidist's public
+collectives:
+
+* :func:`distributed_available`: is the default process group initialized?
+* :func:`all_gather_ddp_if_available`: stack every rank's array, shape ``(world_size, *shape)``.
+* :func:`gather_all_tensors`: every rank's array, in a list, where shapes may differ
+  per rank in any dimension (two collectives: the shapes, then the padded data).
+* :func:`sync_ddp`, :func:`sync_ddp_if_available`: all-reduce with ``reduce_op`` given
+  as a ``ReduceOp`` or a string (``"sum"``, ``"mean"``/``"avg"``, ``"max"``, ...).
+* :func:`init_dist_connection`: set ``MASTER_ADDR``/``MASTER_PORT`` from a cluster
+  environment and call :func:`~mpidist.init_process_group`.
+* :class:`MPIEnvironment`: a ready cluster environment for processes started by an MPI
+  launcher (Lightning's ``ClusterEnvironment`` interface).
+
+``AllGatherGrad`` and ``register_ddp_comm_hook`` need torch's autograd and DDP; they
+arrive with torch tensor support.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import os
+import socket
+from typing import Any
+
+import numpy as np
+
+from ._arrays import DTYPES, dtype_info
+from .collectives import all_gather_into_tensor, all_reduce
+from .init import get_rank, init_process_group, is_initialized
+from .process_group import ProcessGroup, resolve_group
+from .reduce_op import RedOpType, ReduceOp, check_op
+
+__all__ = [
+    "distributed_available",
+    "all_gather_ddp_if_available",
+    "gather_all_tensors",
+    "sync_ddp",
+    "sync_ddp_if_available",
+    "init_dist_connection",
+    "MPIEnvironment",
+]
+
+log = logging.getLogger("mpidist")
+
+#: The most dimensions a numpy array can have (NPY_MAXDIMS in numpy 2; 32 in numpy 1).
+_MAXDIMS = 64
+#: One int64 header per rank in gather_all_tensors: ndim, dtype code, then the shape, zero-padded.
+_HEADER = 2 + _MAXDIMS
+#: Dtype codes for the header: the supported dtypes sorted by name (the same on every rank).
+_DTYPE_BY_CODE = tuple(sorted(DTYPES, key=lambda d: d.name))
+_CODE_OF_DTYPE = {d: i for i, d in enumerate(_DTYPE_BY_CODE)}
+
+#: ``reduce_op`` strings (case-insensitive) and the ReduceOp they mean; "avg"/"mean" sum, then divide.
+_REDUCE_OP_NAMES = {
+    "sum": ReduceOp.SUM,
+    "product": ReduceOp.PRODUCT,
+    "min": ReduceOp.MIN,
+    "max": ReduceOp.MAX,
+    "band": ReduceOp.BAND,
+    "bor": ReduceOp.BOR,
+    "bxor": ReduceOp.BXOR,
+}
+_AVERAGE_NAMES = ("avg", "mean")
+
+
+def _array_arg(x: Any, fn: str, arg: str) -> np.ndarray:
+    """Return ``x`` if it is a numpy array of a dtype mpidist sends, else raise TypeError."""
+    if not isinstance(x, np.ndarray) or isinstance(x, np.ma.MaskedArray):
+        hint = "; convert it with numpy.asarray(...)" if isinstance(x, (list, tuple, int, float, complex)) else ""
+        raise TypeError(f"{fn}: {arg} must be a numpy.ndarray, got {type(x).__module__}.{type(x).__qualname__}{hint}")
+    dtype_info(x.dtype, fn, arg)
+    return x
+
+
+def distributed_available() -> bool:
+    """Return True if the default process group is initialized (so collectives can run).
+
+    Lightning's ``distributed_available()``; there is no TPU branch.
+
+    Example::
+
+        >>> import mpidist as dist
+        >>> dist.distributed_available()
+        False
+        >>> dist.init_process_group()
+        >>> dist.distributed_available()
+        True
+    """
+    return is_initialized()
+
+
+def all_gather_ddp_if_available(tensor: Any, group: ProcessGroup | None = None, sync_grads: bool = False) -> Any:
+    """Gather ``tensor`` from every rank of ``group`` and stack the arrays.
+
+    Every rank must pass an array of the same shape and dtype (use
+    :func:`gather_all_tensors` when shapes differ; ``MPIDIST_DEBUG=DETAIL`` checks it).
+
+    Args:
+        tensor: a numpy array of shape ``(batch, ...)``.
+        group: the process group (default: the world).
+        sync_grads: must be False for numpy arrays, which carry no gradients;
+            ``True`` needs torch tensors (autograd), which arrive with torch support.
+
+    Returns:
+        A new array of shape ``(world_size, batch, ...)``; row ``i`` is group rank
+        ``i``'s array. Without an initialized process group, ``tensor`` as a world
+        of one: a copy of shape ``(1, batch, ...)``. None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not a numpy array of a supported dtype, or
+            ``sync_grads`` is not False.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> out = dist.all_gather_ddp_if_available(np.full(2, dist.get_rank()))
+        >>> out                                   # [[0, 0], [1, 1]] on both ranks
+    """
+    fn = "all_gather_ddp_if_available"
+    arr = _array_arg(tensor, fn, "tensor")
+    if not isinstance(sync_grads, (bool, np.bool_)):
+        raise TypeError(f"{fn}: sync_grads must be a bool, got {type(sync_grads).__name__}")
+    if sync_grads:
+        raise TypeError(
+            f"{fn}: sync_grads=True needs a tensor that carries gradients (a torch tensor, supported once "
+            "mpidist takes torch tensors), got a numpy.ndarray, which has none; pass sync_grads=False"
+        )
+    if not distributed_available():
+        return arr[None].copy()
+    pg = resolve_group(group, fn)
+    if pg is None:  # not a member of group: like the collectives, do nothing
+        return None
+    out = np.empty((pg.size(), *arr.shape), arr.dtype)
+    all_gather_into_tensor(out, arr, group=group)
+    return out
+
+
+def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[np.ndarray] | None:
+    """Gather every rank's ``result`` into a list on every rank; shapes may differ in any dimension.
+
+    Two collectives, whatever the world size: an all-gather of every rank's
+    ndim, dtype and shape, then (unless every array is empty) an all-gather of the
+    arrays zero-padded to the largest extent of each dimension, which each slice
+    is trimmed back from. Every rank must pass the same number of dimensions and
+    the same dtype; otherwise every rank raises the same error after the first
+    collective (and before any data moves).
+
+    Args:
+        result: a numpy array (0-d arrays work).
+        group: the process group (default: the world).
+
+    Returns:
+        A list with one C-contiguous array per rank of ``group``: element ``i`` is
+        group rank ``i``'s ``result`` (a copy). None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``result`` is not a numpy array of a supported dtype, or the
+            ranks passed different dtypes.
+        ValueError: the ranks passed different numbers of dimensions.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> r = dist.get_rank()
+        >>> parts = dist.gather_all_tensors(np.ones((r + 1, 2 - r)))
+        >>> [p.shape for p in parts]               # [(1, 2), (2, 1)] on both ranks
+    """
+    fn = "gather_all_tensors"
+    arr = _array_arg(result, fn, "result")
+    pg = resolve_group(group, fn)
+    if pg is None:  # not a member of group: like the collectives, do nothing
+        return None
+    n = pg.size()
+    header = np.zeros(_HEADER, np.int64)
+    header[0] = arr.ndim
+    header[1] = _CODE_OF_DTYPE[arr.dtype]
+    header[2 : 2 + arr.ndim] = arr.shape
+    headers = np.empty((n, _HEADER), np.int64)
+    all_gather_into_tensor(headers, header, group=group)
+
+    ndims = headers[:, 0].tolist()
+    if len(set(ndims)) > 1:
+        listing = ", ".join(f"rank {r}: {d}" for r, d in enumerate(ndims))
+        raise ValueError(f"{fn}: every rank's result must have the same number of dimensions; got {listing}")
+    codes = headers[:, 1].tolist()
+    if len(set(codes)) > 1:
+        listing = ", ".join(f"rank {r}: {_DTYPE_BY_CODE[c].name}" for r, c in enumerate(codes))
+        raise TypeError(f"{fn}: every rank's result must have the same dtype; got {listing}")
+    shapes = [tuple(row) for row in headers[:, 2 : 2 + arr.ndim].tolist()]
+    max_shape = tuple(headers[:, 2 : 2 + arr.ndim].max(axis=0).tolist())
+
+    out = np.empty((n, *max_shape), arr.dtype)
+    if out.size:  # else every array is empty: nothing to send
+        if arr.shape == max_shape:
+            padded = arr
+        else:
+            padded = np.zeros(max_shape, arr.dtype)
+            padded[tuple(slice(0, s) for s in arr.shape)] = arr
+        all_gather_into_tensor(out, padded, group=group)
+    return [
+        out[r] if shape == max_shape else np.ascontiguousarray(out[r][tuple(slice(0, s) for s in shape)])
+        for r, shape in enumerate(shapes)
+    ]
+
+
+def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[np.ndarray, Any, bool]:
+    """Validate ``sync_ddp``'s arguments: return (array, op, divide by the group size afterwards)."""
+    if isinstance(result, (bool, int, float, complex, np.generic)):
+        arr = np.array(result)  # a number: reduced in a new 0-d array
+    else:
+        arr = result
+    arr = _array_arg(arr, fn, "result")
+    kind = DTYPES[arr.dtype].kind
+    divide = False
+    if reduce_op is None:
+        op = ReduceOp.SUM
+    elif isinstance(reduce_op, str):
+        key = reduce_op.lower()
+        if key in _AVERAGE_NAMES:
+            if kind == "b":
+                raise ValueError(
+                    f"{fn}: reduce_op={reduce_op!r} averages, which is not defined for bool arrays; "
+                    "cast result to a number type first, e.g. result.astype(numpy.int64)"
+                )
+            op, divide = ReduceOp.SUM, True
+        elif key in _REDUCE_OP_NAMES:
+            op = _REDUCE_OP_NAMES[key]
+        else:
+            names = ", ".join(repr(k) for k in (*_REDUCE_OP_NAMES, *_AVERAGE_NAMES))
+            raise ValueError(
+                f"{fn}: reduce_op={reduce_op!r} is not a reduction; expected None (sum), a ReduceOp, "
+                f"or one of {names} (any case)"
+            )
+    elif type(reduce_op) is RedOpType or isinstance(reduce_op, ReduceOp):
+        op = reduce_op
+    else:
+        raise TypeError(
+            f"{fn}: reduce_op must be None, a ReduceOp such as ReduceOp.SUM, or a string such as 'sum' "
+            f"or 'mean', got {type(reduce_op).__module__}.{type(reduce_op).__qualname__}"
+        )
+    check_op(op, kind, arr.dtype.name, fn)
+    return arr, op, divide
+
+
+def sync_ddp(result: Any, group: ProcessGroup | None = None, reduce_op: Any = None) -> Any:
+    """All-reduce ``result`` across ``group`` and return the reduced value.
+
+    ``result`` is reduced in place (an array) and returned. With ``"mean"``/``"avg"``
+    it is summed and then divided by the group size: in place for floating-point
+    and complex arrays; integer arrays keep the sum and a new float64 array holding
+    the mean is returned (Lightning divides with true division). A number is reduced
+    in a new 0-d array, which is returned.
+
+    Args:
+        result: a numpy array, or a number.
+        group: the process group (default: the world).
+        reduce_op: None or ``"sum"`` (the default), ``"mean"`` or ``"avg"``, another
+            reduction's name (``"max"``, ``"min"``, ``"product"``, ``"band"``,
+            ``"bor"``, ``"bxor"``; any case), or a ``ReduceOp``, passed to
+            :func:`~mpidist.all_reduce` as it is.
+
+    Returns:
+        The reduced array (``result`` itself except as said above); ``result``
+        unchanged on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``result`` is not a numpy array or number of a supported dtype,
+            or ``reduce_op`` is not None, a string or a ReduceOp.
+        ValueError: ``reduce_op`` names no reduction, or one not defined on the dtype.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> x = np.array([1.0, 2.0]) * (dist.get_rank() + 1)     # [1, 2] and [2, 4]
+        >>> dist.sync_ddp(x, reduce_op="mean")                   # [1.5, 3.] on both ranks
+    """
+    fn = "sync_ddp"
+    arr, op, divide = _sync_args(result, reduce_op, fn)
+    pg = resolve_group(group, fn)
+    if pg is None:  # not a member of group: like the collectives, do nothing
+        return result
+    all_reduce(arr, op=op, group=group)
+    if not divide:
+        return arr
+    n = pg.size()
+    kind = DTYPES[arr.dtype].kind
+    if kind == "f":
+        return np.divide(arr, n, out=arr)
+    if kind == "c":  # each component, correctly rounded (as ReduceOp.AVG does)
+        np.divide(arr.real, n, out=arr.real)
+        np.divide(arr.imag, n, out=arr.imag)
+        return arr
+    return np.divide(arr, n, out=np.empty(arr.shape, np.float64))
+
+
+def sync_ddp_if_available(result: Any, group: ProcessGroup | None = None, reduce_op: Any = None) -> Any:
+    """Like :func:`sync_ddp` when the process group is initialized; else return ``result`` unchanged.
+
+    The arguments are checked either way (the same errors as :func:`sync_ddp`).
+
+    Example (``mpiexec -n 2``)::
+
+        >>> dist.sync_ddp_if_available(np.ones(2), reduce_op="sum")   # [2., 2.]
+    """
+    fn = "sync_ddp_if_available"
+    _sync_args(result, reduce_op, fn)
+    if not distributed_available():
+        return result
+    return sync_ddp(result, group=group, reduce_op=reduce_op)
+
+
+def _int_arg(value: Any, fn: str, arg: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
+    value = operator.index(value)
+    if value < 0:
+        raise ValueError(f"{fn}: {arg} must be a non-negative int, got {value}")
+    return value
+
+
+def init_dist_connection(
+    cluster_environment: Any,
+    torch_distributed_backend: str | None,
+    global_rank: int | None = None,
+    world_size: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Set ``MASTER_ADDR``/``MASTER_PORT`` from ``cluster_environment`` and initialize the default group.
+
+    As Lightning's: ``global_rank`` and ``world_size`` default to the environment's
+    ``global_rank()`` and ``world_size()``; ``MASTER_ADDR`` and ``MASTER_PORT`` are
+    set from its ``main_address`` and ``main_port``; if the default group is
+    already initialized nothing else happens. Then
+    ``init_process_group(torch_distributed_backend, rank=global_rank,
+    world_size=world_size, **kwargs)``, which checks the rank and world size
+    against MPI and raises the same ValueError on every rank if they disagree.
+
+    Args:
+        cluster_environment: an object with ``main_address`` (str), ``main_port``
+            (int), ``global_rank()`` and ``world_size()``, such as
+            :class:`MPIEnvironment` or one of Lightning's ``ClusterEnvironment``.
+        torch_distributed_backend: the backend, e.g. ``"mpi"`` (None means ``"mpi"``).
+        global_rank: this process's rank (default: from the environment).
+        world_size: the number of processes (default: from the environment).
+        **kwargs: passed on to :func:`~mpidist.init_process_group` (``timeout``, ...).
+
+    Raises:
+        TypeError: the environment lacks one of the four members, or a rank,
+            world size, address or port is of the wrong type.
+        ValueError: a negative rank or world size, a port outside 0-65535, or
+            (from ``init_process_group``, on every rank) a disagreement with MPI.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> dist.init_dist_connection(dist.MPIEnvironment(), "mpi")
+        >>> dist.get_world_size()
+        2
+    """
+    fn = "init_dist_connection"
+    for name in ("main_address", "main_port", "global_rank", "world_size"):
+        if inspect.getattr_static(cluster_environment, name, None) is None:
+            raise TypeError(
+                f"{fn}: cluster_environment must provide main_address, main_port, global_rank() and "
+                f"world_size() (like mpidist.MPIEnvironment); {type(cluster_environment).__name__} has no {name}"
+            )
+    if torch_distributed_backend is not None and not isinstance(torch_distributed_backend, str):
+        raise TypeError(
+            f"{fn}: torch_distributed_backend must be a backend name such as 'mpi', "
+            f"got {type(torch_distributed_backend).__name__}"
+        )
+    if global_rank is None:
+        global_rank = cluster_environment.global_rank()
+    global_rank = _int_arg(global_rank, fn, "global_rank")
+    if world_size is None:
+        world_size = cluster_environment.world_size()
+    world_size = _int_arg(world_size, fn, "world_size")
+    address = cluster_environment.main_address
+    if not isinstance(address, str) or not address:
+        raise TypeError(f"{fn}: cluster_environment.main_address must be a non-empty str, got {address!r}")
+    port = cluster_environment.main_port
+    if isinstance(port, (bool, np.bool_)) or not hasattr(port, "__index__"):
+        raise TypeError(f"{fn}: cluster_environment.main_port must be an int, got {type(port).__name__}")
+    port = operator.index(port)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{fn}: cluster_environment.main_port must be in 0..65535, got {port}")
+    os.environ["MASTER_ADDR"] = address
+    os.environ["MASTER_PORT"] = str(port)
+    if is_initialized():
+        log.debug("%s: the default process group is already initialized; nothing to do", fn)
+        return
+    log.info("Initializing distributed: GLOBAL_RANK: %d, MEMBER: %d/%d", global_rank, global_rank + 1, world_size)
+    init_process_group(torch_distributed_backend, rank=global_rank, world_size=world_size, **kwargs)
+    if get_rank() == 0:
+        log.info(
+            "%s\ndistributed_backend=%s\nAll distributed processes registered. Starting with %d processes\n%s",
+            "-" * 100, torch_distributed_backend or "mpi", world_size, "-" * 100,
+        )  # fmt: skip
+
+
+class MPIEnvironment:
+    """A cluster environment for processes started by an MPI launcher (``mpiexec``, ``srun``).
+
+    Lightning's ``ClusterEnvironment`` interface (and its ``MPIEnvironment``): rank
+    and world size come from ``MPI.COMM_WORLD``. The first access to
+    ``main_address``, ``main_port``, ``local_rank()`` or ``node_rank()`` is
+    collective (one all-gather of host names on a private communicator): every
+    rank must make it. ``main_address`` is ``"127.0.0.1"`` when all ranks share one
+    host, else rank 0's host name; ``main_port`` is a free TCP port found on rank 0.
+    mpidist itself connects the processes through MPI and uses neither; they are
+    for code that reads ``MASTER_ADDR``/``MASTER_PORT``.
+
+    Example (``mpiexec -n 2``)::
+
+        >>> env = dist.MPIEnvironment()
+        >>> env.global_rank(), env.world_size()
+        (0, 2)
+        >>> dist.init_dist_connection(env, "mpi")
+    """
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise RuntimeError(
+                "MPIEnvironment: MPI is not initialized, so there is no MPI world to describe: start the "
+                "processes with an MPI launcher (mpiexec -n N python script.py), or call "
+                "mpidist.init_process_group() first"
+            )
+        self._comm_world = MPI.COMM_WORLD
+        self._main_address: str | None = None
+        self._main_port: int | None = None
+        self._node_rank: int | None = None
+        self._local_rank: int | None = None
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """True: the MPI launcher starts the processes."""
+        return True
+
+    @property
+    def main_address(self) -> str:
+        """The address for ``MASTER_ADDR`` (collective on first access)."""
+        self._discover()
+        return self._main_address  # type: ignore[return-value]
+
+    @property
+    def main_port(self) -> int:
+        """A free port on rank 0's host for ``MASTER_PORT`` (collective on first access)."""
+        self._discover()
+        return self._main_port  # type: ignore[return-value]
+
+    @staticmethod
+    def detect() -> bool:
+        """Return True if MPI is initialized and its world has more than one process."""
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return False
+        return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
+
+    def world_size(self) -> int:
+        """Return the number of processes in MPI's world."""
+        return self._comm_world.Get_size()
+
+    def set_world_size(self, size: int) -> None:
+        """Ignore: the MPI launcher fixes the world size."""
+        log.debug("MPIEnvironment.set_world_size was called, but the world size comes from MPI; ignored")
+
+    def global_rank(self) -> int:
+        """Return this process's rank in MPI's world."""
+        return self._comm_world.Get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        """Ignore: the MPI launcher fixes the rank."""
+        log.debug("MPIEnvironment.set_global_rank was called, but the rank comes from MPI; ignored")
+
+    def local_rank(self) -> int:
+        """Return this process's rank among the processes on its host (collective on first call)."""
+        self._discover()
+        return self._local_rank  # type: ignore[return-value]
+
+    def node_rank(self) -> int:
+        """Return the index of this process's host among the sorted host names (collective on first call)."""
+        self._discover()
+        return self._node_rank  # type: ignore[return-value]
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Accept any settings (Lightning's hook for environments with constraints)."""
+
+    def teardown(self) -> None:
+        """Nothing to clean up."""
+
+    def _discover(self) -> None:
+        """Learn every rank's host name, and rank 0's port, in one all-gather."""
+        if self._main_address is not None:
+            return
+        comm = self._comm_world.Dup()  # library traffic never meets the user's messages
+        try:
+            me = comm.Get_rank()
+            proposal: tuple[int | None, str | None] = (None, None)
+            if me == 0:
+                try:
+                    proposal = (_free_port(), None)
+                except OSError as exc:
+                    proposal = (None, f"rank 0 could not find a free TCP port: {exc}")
+            everyone = comm.allgather((socket.gethostname(), proposal))
+        finally:
+            comm.Free()
+        port, error = everyone[0][1]
+        if error is not None:  # raised on every rank alike
+            raise RuntimeError(f"MPIEnvironment: {error}")
+        hosts = [host for host, _ in everyone]
+        unique = sorted(set(hosts))
+        self._node_rank = unique.index(hosts[me])
+        self._local_rank = hosts[:me].count(hosts[me])
+        self._main_port = port
+        self._main_address = "127.0.0.1" if len(unique) == 1 else hosts[0]
+
+    def __repr__(self) -> str:
+        return f"MPIEnvironment(global_rank={self.global_rank()}, world_size={self.world_size()})"
+
+
+def _free_port() -> int:
+    """Return a TCP port that was free a moment ago (bind to port 0 and ask)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
