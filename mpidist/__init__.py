@@ -13,6 +13,7 @@ Run a program under an MPI launcher and use it as you would torch.distributed::
 ``mpiexec -n 4 python script.py``
 """
 
+from . import _boot  # noqa: F401  (first: decides when MPI is initialized, see _boot.py)
 from ._version import __version__
 from .abort import abort_process_group, install_excepthook
 from .backends import Backend, BackendOptions, BaseBackend
@@ -35,6 +36,7 @@ from .collectives import (
     reduce_scatter_tensor,
     scatter,
 )
+from .data import DistributedSampler
 from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, RankNotInGroupError
 from .groups import (
@@ -49,6 +51,7 @@ from .init import (
     default_pg_timeout,
     destroy_process_group,
     get_backend,
+    get_default_store,
     get_node_local_rank,
     get_pg_count,
     get_rank,
@@ -74,6 +77,16 @@ from .objects import (
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .process_group import GroupMember, ProcessGroup, group
 from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum, reduce_op, supports_complex
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .utils import (
+    MPIEnvironment,
+    all_gather_ddp_if_available,
+    distributed_available,
+    gather_all_tensors,
+    init_dist_connection,
+    sync_ddp,
+    sync_ddp_if_available,
+)
 from .work import Future, Work
 
 __all__ = [
@@ -94,6 +107,7 @@ __all__ = [
     "get_world_size",
     "get_node_local_rank",
     "get_pg_count",
+    "get_default_store",
     "default_pg_timeout",
     "Backend",
     "BackendOptions",
@@ -157,10 +171,26 @@ __all__ = [
     # ending the job
     "abort_process_group",
     "install_excepthook",
+    # key-value stores
+    "Store",
+    "HashStore",
+    "FileStore",
+    "TCPStore",
+    "PrefixStore",
     # errors
     "DistError",
     "DistBackendError",
     "DistStoreError",
     "DistNetworkError",
     "RankNotInGroupError",
+    # Lightning's distributed utilities
+    "distributed_available",
+    "all_gather_ddp_if_available",
+    "gather_all_tensors",
+    "sync_ddp",
+    "sync_ddp_if_available",
+    "init_dist_connection",
+    "MPIEnvironment",
+    # data loading
+    "DistributedSampler",
 ]

@@ -61,6 +61,7 @@ class World:
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
         self.survey_count = 0  # timeout diagnoses started here (see stall.py)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment
+        self.pmi_server: Any = None  # rank 0 of a world started without an MPI launcher (pmi.py)
         self._clear()
 
     def _clear(self) -> None:
@@ -72,6 +73,7 @@ class World:
         self.control: Any = None  # an MPIBackend over control_comm (bounded waits, diagnoses)
         self.node_comm: Any = None  # shared-memory (node-local) split of the world
         self.init_info: dict[str, Any] = {}
+        self.store: Any = None  # the default store (get_default_store)
 
     def next_group_name(self) -> str:
         """Return a name for a group that every rank creates in the same order."""

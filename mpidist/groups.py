@@ -45,16 +45,21 @@ def make_group(
     pg_options: Any,
     name: str,
     group_desc: str | None = None,
-    store: Any = None,
 ) -> ProcessGroup:
     """Build and register the ProcessGroup of ``comm`` (this rank is a member).
 
     The group owns ``comm`` and a private duplicate of it for library traffic
-    (object collectives, subgroup creation), driven by its own MPI backend.
+    (object collectives, subgroup creation), driven by its own MPI backend. Its
+    backend sees the default store through a ``PrefixStore`` of its own.
     """
     from .backends.mpi import MPIBackend
 
     backend_name = devices["cpu"]
+    store = None
+    if world.store is not None:
+        from .store import PrefixStore
+
+        store = PrefixStore(f"mpidist/group/{name}", world.store)
     options = BackendOptions(store, comm.Get_rank(), comm.Get_size(), timeout, name, list(ranks), comm)
     control_comm = comm.Dup()
     try:

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from ._boot import launched_by_mpi, mpi_initialized, start_mpi
 from ._world import world
 from .backends.registry import Backend, nccl_importable, parse_backend
 from .debug import set_debug_level_from_env
 from .errors import DistBackendError
 from .groups import make_group, timeout_arg
 from .process_group import ProcessGroup, resolve_group
+from .rendezvous import launch_free_world, plan_from
 from .work import poll
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "get_world_size",
     "get_node_local_rank",
     "get_pg_count",
+    "get_default_store",
     "default_pg_timeout",
 ]
 
@@ -97,8 +101,9 @@ def _disagreements(claims: list[tuple[str, str, int]], mpi_rank: int, mpi_size: 
     msg = "; ".join(bad)
     if mpi_size == 1 and any(what == "world_size" and value > 1 for _, what, value in claims):
         msg += (
-            ". This process was not started by an MPI launcher (MPI's world has 1 process): "
-            "start all processes with `mpiexec -n N python script.py` (or mpirun, srun)"
+            ". MPI's world has 1 process: start all processes with `mpiexec -n N python script.py` (or mpirun, "
+            "srun); without a launcher, mpidist connects them itself only if MPI is not yet initialized "
+            "(import mpidist before mpi4py.MPI)"
         )
     return msg
 
@@ -161,9 +166,18 @@ def init_process_group(
         rank = _int_arg(rank, fn, "rank")
         world_size = _int_arg(world_size, fn, "world_size")
         claims = _claims(init_method, rank, world_size, fn)
+        if store is not None:
+            _check_store(store, fn)
+        plan = plan_from(init_method, store, rank, world_size, fn)
         set_debug_level_from_env()
 
-        from mpi4py import MPI  # initializes MPI on first use
+        met = None  # the store through which processes without a launcher met
+        if plan.world_size > 1 and not mpi_initialized() and not launched_by_mpi():
+            met, pmi_env = launch_free_world(plan, store, td, fn)
+            start_mpi(pmi_env)
+        else:
+            start_mpi()
+        from mpi4py import MPI  # initialized now
 
         from .backends.mpi import MPIBackend
 
@@ -195,12 +209,70 @@ def init_process_group(
         }
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
-            pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg", store)
+            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
+            world.init_info["own_store"] = store is None
+            pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg")
         except BaseException:
+            _close_store()
             _free_world_comms()
             world.reset()
             raise
         world.default_pg = pg
+
+
+def _check_store(store: Any, fn: str) -> None:
+    missing = [m for m in ("set", "get", "add", "wait") if not callable(getattr(store, m, None))]
+    if missing:
+        raise TypeError(
+            f"{fn}: store must be a key-value store (mpidist.TCPStore, FileStore, HashStore, PrefixStore or "
+            f"one with set/get/add/wait), got {type(store).__name__} without {', '.join(missing)}"
+        )
+
+
+def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any:
+    """Rank 0 opens a TCPStore on a free port and tells the others (collective over ``comm``).
+
+    If rank 0 cannot open one, no rank has a default store and
+    ``get_default_store()`` says why; the process group works regardless.
+    """
+    from .store import TCPStore
+
+    found: tuple[str, Any] = ("", None)
+    made = None
+    if comm.Get_rank() == 0:
+        try:
+            host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
+            made = TCPStore(host, 0, comm.Get_size(), True, timeout, wait_for_workers=False)
+            found = ("", (host, made.port))
+        except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank
+            found = (f"{type(exc).__name__}: {exc}", None)
+    error, address = comm.bcast(found, root=0)
+    if error:
+        world.init_info["store_error"] = error
+        return None
+    return made if made is not None else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False)
+
+
+def get_default_store() -> Any:
+    """Return the default process group's key-value store (shared by every rank).
+
+    It is the ``store`` passed to ``init_process_group``, the store an
+    ``init_method`` named when the processes met through it, or else a
+    ``TCPStore`` that rank 0 opened on a free port. Each group sees it through its
+    own ``PrefixStore``. A store mpidist opened closes in ``destroy_process_group``
+    (rank 0 hosts it: finish using it on every rank first, e.g. with a barrier).
+
+    Example (``mpiexec -n 2``)::
+
+        >>> store = dist.get_default_store()
+        >>> store.add("ready", 1)   # 1 on one rank, 2 on the other
+    """
+    fn = "get_default_store"
+    if world.default_pg is None:
+        raise RuntimeError(f"{fn}: the default process group is not initialized; call init_process_group() first")
+    if world.store is None:
+        raise RuntimeError(f"{fn}: rank 0 could not open a store: {world.init_info.get('store_error', 'unknown')}")
+    return world.store
 
 
 def _usable_cpus() -> int:
@@ -209,6 +281,13 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+def _close_store() -> None:
+    """Close the default store if mpidist opened it (a user's store stays open)."""
+    close = getattr(world.store, "close", None)
+    if world.init_info.get("own_store") and callable(close):
+        close()
 
 
 def _free_world_comms() -> None:
@@ -238,6 +317,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if pg is world.default_pg:
             for member in list(world.groups.values()):
                 member.shutdown()
+            _close_store()
             _free_world_comms()
             world.reset()
         else:

@@ -42,9 +42,9 @@ class _Voter:
     @classmethod
     def get(cls):
         if cls.comm is None:
-            from mpi4py import MPI
+            from ._boot import start_mpi
 
-            cls.comm = MPI.COMM_WORLD.Dup()
+            cls.comm = start_mpi().COMM_WORLD.Dup()
         return cls.comm
 
 

@@ -294,7 +294,7 @@ def test_every_disagreement_is_reported(no_group):
 
 @pytest.mark.skipif(SIZE != 1, reason="only a world of one process can lack a launcher")
 def test_world_size_without_a_launcher_explains_mpiexec(no_group):
-    expect_init_value_error(r"not started by an MPI launcher.*mpiexec -n N", world_size=4)
+    expect_init_value_error(r"MPI's world has 1 process: start all processes with `mpiexec -n N", world_size=4)
 
 
 @pytest.mark.parametrize(
@@ -414,8 +414,17 @@ def test_init_method_and_store_are_mutually_exclusive(no_group):
 
 
 def test_store_alone_is_accepted(no_group):
-    init(store=object(), rank=RANK, world_size=SIZE)
+    store = dist.HashStore()
+    init(store=store, rank=RANK, world_size=SIZE)
     check_world_works()
+    assert dist.get_default_store() is store
+
+
+def test_store_that_is_not_a_store(no_group):
+    with pytest.raises(TypeError, match=r"^init_process_group: store must be a key-value store .* got object without "
+                       r"set, get, add, wait$"):
+        init(store=object(), rank=RANK, world_size=SIZE)
+    assert not dist.is_initialized()
 
 
 # -- timeout ---------------------------------------------------------------------------
@@ -746,11 +755,11 @@ def test_new_group_with_a_registered_backend(registered, rank, world_size):
 
 def test_register_backend_plain_api(no_group, registered):
     _plain_calls.clear()
-    store = object()
+    store = dist.HashStore()
     init(backend=PLAIN, store=store)
     assert len(_plain_calls) == 1
     got_store, got_rank, got_size, got_timeout, impl = _plain_calls[0]
-    assert got_store is store
+    assert isinstance(got_store, dist.PrefixStore) and got_store.underlying_store is store  # the group's own view
     assert (got_rank, got_size) == (RANK, SIZE)
     assert got_timeout == timedelta(seconds=PG_TIMEOUT_S)
     assert dist.get_backend() == PLAIN
@@ -839,3 +848,51 @@ def test_get_pg_count(no_group):
     assert dist.get_pg_count() == 1
     dist.destroy_process_group()
     assert dist.get_pg_count() == 0
+
+
+# -- the default store -------------------------------------------------------------------
+
+
+def test_default_store_is_shared_by_every_rank(world_size):
+    store = dist.get_default_store()
+    key = "test-default-store-shared"
+    store.add(key, dist.get_rank() + 1)
+    dist.barrier()
+    assert int(store.get(key)) == world_size * (world_size + 1) // 2
+    dist.barrier()  # every rank has read before anyone adds again
+    store.delete_key(key) if dist.get_rank() == 0 else None
+    dist.barrier()
+
+
+def test_default_store_after_reinit_is_a_new_one(no_group):
+    init()
+    first = dist.get_default_store()
+    first.set("test-reinit", "old")
+    dist.barrier()
+    dist.destroy_process_group()
+    init()
+    second = dist.get_default_store()
+    assert second is not first
+    assert not second.check(["test-reinit"])  # a fresh store: the old key is gone
+    dist.barrier()
+
+
+def test_get_default_store_before_init(no_group):
+    with pytest.raises(RuntimeError, match=r"^get_default_store: the default process group is not initialized"):
+        dist.get_default_store()
+
+
+def test_each_group_sees_the_store_through_its_own_prefix(no_group, registered):
+    _plain_calls.clear()
+    init(backend=PLAIN)
+    g = dist.new_group(backend=PLAIN)
+    world_store, group_store = _plain_calls[0][0], _plain_calls[-1][0]
+    assert isinstance(world_store, dist.PrefixStore) and isinstance(group_store, dist.PrefixStore)
+    assert world_store.underlying_store is dist.get_default_store() is group_store.underlying_store
+    if dist.get_rank() == 0:
+        group_store.set("k", "group")
+        world_store.set("k", "world")
+    dist.barrier()
+    assert group_store.get("k") == b"group" and world_store.get("k") == b"world"
+    dist.barrier()
+    dist.destroy_process_group(g)

@@ -1,0 +1,223 @@
+"""A small PMI-1 server: lets processes that no MPI launcher started form one MPI world.
+
+MPI libraries learn their rank, world size and each other's addresses from the
+process manager that ``mpiexec`` runs, through the PMI protocol. When the
+processes were started some other way (torchrun, ``srun`` without PMI, N plain
+``python`` commands with ``env://`` variables), rank 0 of the store rendezvous
+runs this server in a background thread, and every process points its MPI
+library at it (``PMI_PORT=host:port``, ``PMI_ID=rank``) before ``MPI_Init``.
+MPICH speaks this wire protocol (version 1.1, text lines ``cmd=... key=value``);
+Open MPI uses PMIx instead and cannot be started this way.
+
+The server runs in a process of its own, started by rank 0 (``MPI_Init`` holds
+the interpreter lock while it waits for PMI, so a thread of rank 0 could not
+answer). It exits once every rank has finalized MPI or disconnected, or when not
+every rank connected within the timeout.
+
+The server keeps the key-value space MPI fills during start-up, answers the
+rank, size and node layout, and runs the PMI barriers. It trusts its clients:
+like ``TCPStore``, use it on trusted networks only.
+
+Example (what ``init_process_group`` does; normally not called directly)::
+
+    >>> proc, address = start_server_process("127.0.0.1", 2, ["n0", "n0"], timeout_s=60)
+    >>> env = {"PMI_PORT": address, "PMI_ID": "0"}
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+__all__ = ["PMIServer", "process_mapping", "start_server_process"]
+
+
+def process_mapping(hosts: list[str]) -> str:
+    """Describe which ranks share a node, in PMI's ``(vector,(node,count,ranks),...)`` form.
+
+    Example::
+
+        >>> process_mapping(["a", "a", "b", "b"])
+        '(vector,(0,1,2),(1,1,2))'
+    """
+    ids: dict[str, int] = {}
+    blocks: list[list[int]] = []
+    for host in hosts:
+        node = ids.setdefault(host, len(ids))
+        if blocks and blocks[-1][0] == node:
+            blocks[-1][2] += 1
+        else:
+            blocks.append([node, 1, 1])
+    return "(vector," + ",".join(f"({n},{c},{r})" for n, c, r in blocks) + ")"
+
+
+def _fields(line: str) -> dict[str, str]:
+    out = {}
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+class PMIServer:
+    """Serve PMI-1 to ``size`` MPI processes on ``host`` (a free port is picked).
+
+    Args:
+        host: address to listen on (loopback when every process is on this node).
+        size: the number of processes in the world.
+        hosts: each rank's host name, in rank order (for the node layout).
+    """
+
+    def __init__(self, host: str, size: int, hosts: list[str]) -> None:
+        self.size = size
+        # MPICH names its shared-memory segments after the KVS: unique per world, so that a
+        # crashed earlier world's leftovers are never attached
+        self.kvsname = f"mpidist_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        self._kvs = {"PMI_process_mapping": process_mapping(hosts)}
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._round = 0
+        self._finished = 0
+        self._connected = 0
+        self._sock = socket.create_server((host, 0), backlog=max(size, 16))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="mpidist-pmi", daemon=True).start()
+
+    # -- serving ------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            with self._cond:
+                self._connected += 1
+            threading.Thread(target=self._serve, args=(conn,), name="mpidist-pmi-client", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb", buffering=0) as stream:
+            try:
+                for raw in stream:
+                    line = raw.decode(errors="replace").strip()
+                    if not line:
+                        continue
+                    reply = self._answer(_fields(line))
+                    if reply:
+                        stream.write(reply.encode())
+                    if line.startswith("cmd=finalize"):
+                        break
+            except OSError:
+                pass
+        with self._cond:
+            self._finished += 1
+            self._cond.notify_all()
+
+    def _answer(self, msg: dict[str, str]) -> str:
+        cmd = msg.get("cmd", "")
+        if cmd == "initack":  # the client names itself (PMI_ID): tell it its rank and the size
+            return f"cmd=initack rc=0\ncmd=set size={self.size}\ncmd=set rank={msg.get('pmiid', 0)}\ncmd=set debug=0\n"
+        if cmd == "init":
+            return "cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0\n"
+        if cmd == "get_maxes":
+            return "cmd=maxes kvsname_max=256 keylen_max=256 vallen_max=4096 rc=0\n"
+        if cmd == "get_appnum":
+            return "cmd=appnum appnum=0 rc=0\n"
+        if cmd == "get_my_kvsname":
+            return f"cmd=my_kvsname kvsname={self.kvsname} rc=0\n"
+        if cmd == "get_universe_size":
+            return f"cmd=universe_size size={self.size} rc=0\n"
+        if cmd == "put":
+            with self._cond:
+                self._kvs[msg.get("key", "")] = msg.get("value", "")
+            return "cmd=put_result rc=0\n"
+        if cmd == "get":
+            with self._cond:
+                value = self._kvs.get(msg.get("key", ""))
+            if value is None:
+                return "cmd=get_result rc=-1 msg=key_not_found\n"
+            return f"cmd=get_result rc=0 value={value}\n"
+        if cmd == "barrier_in":
+            self._barrier()
+            return "cmd=barrier_out rc=0\n"
+        if cmd == "finalize":
+            return "cmd=finalize_ack rc=0\n"
+        if cmd == "abort":
+            print(f"[mpidist] an MPI process aborted: {msg}", file=sys.stderr, flush=True)
+            return ""
+        return f"cmd={cmd} rc=-1 msg=unsupported_by_mpidist_pmi\n"
+
+    def _barrier(self) -> None:
+        with self._cond:
+            mine = self._round
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived = 0
+                self._round += 1
+                self._cond.notify_all()
+            while self._round == mine:
+                self._cond.wait()
+
+    # -- shutting down ------------------------------------------------------------------
+    def wait_finished(self, timeout_s: float | None = None) -> bool:
+        """Wait until every client finalized or disconnected (True) or ``timeout_s`` passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._finished < self.size:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop accepting connections."""
+        self._sock.close()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until every rank has connected (True) or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._connected < self.size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+
+def start_server_process(host: str, size: int, hosts: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start a PMI server in a process of its own; return it and its ``host:port``."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), host, str(size), str(timeout_s), *hosts],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    address = proc.stdout.readline().strip()
+    if not address:
+        raise RuntimeError(f"the PMI server did not start (exit code {proc.wait()})")
+    return proc, address
+
+
+def _main(argv: list[str]) -> int:
+    host, size, timeout_s, hosts = argv[0], int(argv[1]), float(argv[2]), argv[3:]
+    server = PMIServer(host, size, hosts)
+    print(server.address, flush=True)
+    sys.stdout.close()
+    if not server.wait_connected(timeout_s):
+        print(f"[mpidist] PMI server: not every rank connected within {timeout_s:g} s", file=sys.stderr)
+        return 1
+    server.wait_finished()
+    server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

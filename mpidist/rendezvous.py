@@ -1,0 +1,160 @@
+"""Where the processes meet: the default store, and a world without an MPI launcher.
+
+``init_process_group`` reads its ``init_method`` (``env://``, ``tcp://host:port``,
+``file:///path``) or ``store`` into a :class:`Plan`, and:
+
+* under an MPI launcher, MPI already connects the processes: the plan only
+  names the default store (rank and size come from MPI and are checked);
+* without one, the store is where the processes meet: each writes its host
+  name, rank 0 starts a PMI server (``pmi.py``) and publishes its address, and
+  every process initializes MPI against it, so that ``MPI.COMM_WORLD`` holds
+  them all. This needs an MPI library that speaks PMI-1 (MPICH); with any
+  other, a clear error says to start the job with ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from ._world import world
+
+__all__ = ["Plan", "plan_from", "store_for", "launch_free_world", "store_under_launcher"]
+
+_KEY = "mpidist/boot"
+
+
+@dataclass
+class Plan:
+    """What the arguments and environment say about how to meet."""
+
+    scheme: str  # "env", "tcp", "file" or "store"
+    rank: int  # -1: not stated
+    world_size: int  # -1: not stated
+    host: str | None = None
+    port: int | None = None
+    path: str | None = None
+
+
+def _env_int(var: str, fn: str) -> int | None:
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{fn}: environment variable {var}={text!r} is not an int") from None
+
+
+def plan_from(init_method: str | None, store: Any, rank: int, world_size: int, fn: str) -> Plan:
+    """Combine the arguments, the URL and (for ``env://``) the environment into a Plan."""
+    if store is not None:
+        return Plan("store", rank, world_size)
+    url = urlparse(init_method or "env://")
+    query = parse_qs(url.query)
+    for what in ("rank", "world_size"):
+        if what in query and (rank if what == "rank" else world_size) == -1:
+            value = int(query[what][0])  # validated by init's claims
+            rank, world_size = (value, world_size) if what == "rank" else (rank, value)
+    if url.scheme == "tcp":
+        if not url.hostname or not url.port:
+            raise ValueError(f"{fn}: init_method {init_method!r} must be tcp://host:port")
+        return Plan("tcp", rank, world_size, host=url.hostname, port=url.port)
+    if url.scheme == "file":
+        path = url.path if not url.netloc else f"/{url.netloc}{url.path}"
+        if not path:
+            raise ValueError(f"{fn}: init_method {init_method!r} must be file:///path/to/file")
+        return Plan("file", rank, world_size, path=path)
+    env_rank, env_size = _env_int("RANK", fn), _env_int("WORLD_SIZE", fn)
+    port = _env_int("MASTER_PORT", fn)
+    return Plan(
+        "env",
+        rank if rank != -1 else (env_rank if env_rank is not None else -1),
+        world_size if world_size != -1 else (env_size if env_size is not None else -1),
+        host=os.environ.get("MASTER_ADDR", "").strip() or None,
+        port=port,
+    )
+
+
+def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: str) -> Any:
+    """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore)."""
+    from .store import FileStore, TCPStore
+
+    if plan.scheme == "file":
+        return FileStore(plan.path, world_size)
+    if plan.host is None or plan.port is None:
+        raise ValueError(
+            f"{fn}: env:// needs MASTER_ADDR and MASTER_PORT in the environment (the address and a free "
+            "port of rank 0), or start the processes with mpiexec"
+        )
+    return TCPStore(plan.host, plan.port, world_size, rank == 0, timeout, wait_for_workers=False)
+
+
+def store_under_launcher(plan: Plan, store: Any, comm: Any, single_node: bool, timeout: timedelta, fn: str) -> Any:
+    """The default store when MPI already connects the processes (collective over ``comm``)."""
+    if store is not None:
+        return store
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if plan.scheme in ("tcp", "file") or (plan.host is not None and plan.port is not None):
+        return store_for(plan, rank, size, timeout, fn)
+    from .store import TCPStore
+
+    # nothing names a store: rank 0 opens one on a free port and tells the others
+    address = None
+    if rank == 0:
+        host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
+        made = TCPStore(host, 0, size, True, timeout, wait_for_workers=False)
+        address = (host, made.port)
+    address = comm.bcast(address, root=0)
+    return made if rank == 0 else TCPStore(address[0], address[1], size, False, timeout, wait_for_workers=False)
+
+
+def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tuple[Any, dict[str, str]]:
+    """Meet through the store and start a PMI server on rank 0; return (store, PMI environment).
+
+    Raises:
+        ValueError: the rank or world size is not stated, or out of range.
+        RuntimeError: the MPI library cannot be started this way (not MPICH).
+    """
+    rank, size = plan.rank, plan.world_size
+    if rank < 0 or size < 1 or rank >= size:
+        raise ValueError(
+            f"{fn}: this process was not started by an MPI launcher, so mpidist needs its rank and the "
+            f"world size (rank={rank}, world_size={size}): pass them, put them in the init_method URL, or set "
+            "RANK and WORLD_SIZE (env://); or start every process with `mpiexec -n N python script.py`"
+        )
+    _require_pmi1(fn)
+    if store is None:
+        store = store_for(plan, rank, size, timeout, fn)
+    store.set(f"{_KEY}/host/{rank}", socket.gethostname())
+    if rank == 0:
+        hosts = [store.get(f"{_KEY}/host/{r}").decode() for r in range(size)]
+        host = "127.0.0.1" if len(set(hosts)) == 1 else (plan.host or socket.gethostbyname(socket.gethostname()))
+        from .pmi import start_server_process
+
+        world.pmi_server, address = start_server_process(host, size, hosts, timeout.total_seconds())
+        store.set(f"{_KEY}/pmi", address)
+    address = store.get(f"{_KEY}/pmi").decode()
+    store.set(f"{_KEY}/got/{rank}", "1")
+    if rank == 0:
+        # MPI_Init holds the interpreter lock, so rank 0's store cannot answer once it is inside
+        store.wait([f"{_KEY}/got/{r}" for r in range(size)])
+    return store, {"PMI_PORT": address, "PMI_ID": str(rank)}
+
+
+def _require_pmi1(fn: str) -> None:
+    from mpi4py import MPI  # not initialized yet (see _boot.py)
+
+    library = MPI.Get_library_version()
+    if "MPICH" not in library and "Intel(R) MPI" not in library:
+        first = library.splitlines()[0].strip() if library else "this MPI library"
+        raise RuntimeError(
+            f"{fn}: this process was not started by an MPI launcher, and {first} cannot be connected "
+            "without one (mpidist starts such worlds through PMI-1, which MPICH speaks). Start the job "
+            "with `mpiexec -n N python script.py` (or mpirun, srun --mpi=pmix), or install the MPICH "
+            "wheel (pip install mpidist[mpich])"
+        )

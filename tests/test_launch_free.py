@@ -1,0 +1,188 @@
+"""Worlds that no MPI launcher started: N plain ``python`` processes meet through a store.
+
+The tests start the processes themselves (with every launcher variable removed
+from their environment), so they run once, from a world of one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from mpi4py import MPI
+
+from mpidist import pmi, rendezvous
+
+pytestmark = pytest.mark.timeout(180)
+
+SIZE = MPI.COMM_WORLD.Get_size()  # the suite runs under mpiexec: MPI is initialized
+only_once = pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import mpidist as dist
+    from mpi4py import MPI
+
+    init_method = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else None
+    dist.init_process_group(init_method=init_method, timeout=60)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = np.full(3, rank + 1.0)
+    dist.all_reduce(x)
+    gathered = [None] * size
+    dist.all_gather_object(gathered, {"rank": rank})
+    odd = dist.new_group([r for r in range(size) if r % 2])
+    y = np.ones(2)
+    dist.all_reduce(y, group=odd)
+    store = dist.get_default_store()
+    total = store.add("hello", rank + 1)
+    dist.barrier()
+    final = int(store.get("hello"))
+    dist.barrier()  # rank 0 hosts the store: it closes it in destroy_process_group
+    result = {
+        "rank": rank, "size": size, "mpi_size": MPI.COMM_WORLD.Get_size(), "sum": x.tolist(),
+        "gathered": [g["rank"] for g in gathered], "odd": y.tolist(), "store": final,
+    }
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(n: int, env_for, args_for, tmp_path) -> list[dict]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args_for(r)],
+            env=env_for(r),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    results = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"process {r} did not finish within 120 s")
+        assert p.returncode == 0, f"process {r} exited with {p.returncode}:\n{err[-3000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
+        results.append(json.loads(lines[0][len("RESULT ") :]))
+    return results
+
+
+def _check(results: list[dict], n: int) -> None:
+    odd = [r for r in range(n) if r % 2]
+    for r, got in enumerate(results):
+        assert got["rank"] == r and got["size"] == n and got["mpi_size"] == n
+        assert got["sum"] == [n * (n + 1) / 2] * 3
+        assert got["gathered"] == list(range(n))
+        assert got["odd"] == ([float(len(odd))] * 2 if r in odd else [1.0, 1.0])
+        assert got["store"] == n * (n + 1) // 2
+
+
+@only_once
+def test_env_init_forms_a_world_without_mpiexec(tmp_path):
+    n, port = 3, _free_port()
+
+    def env_for(r: int) -> dict[str, str]:
+        return _clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    _check(_run_world(n, env_for, lambda r: [""], tmp_path), n)
+
+
+@only_once
+def test_file_init_forms_a_world_without_mpiexec(tmp_path):
+    n = 2
+    url = f"file://{tmp_path}/rendezvous?world_size={n}"
+
+    # each process names its rank in the URL
+    _check(_run_world(n, lambda r: _clean_env(), lambda r: [f"{url}&rank={r}"], tmp_path), n)
+
+
+@only_once
+def test_missing_rank_without_a_launcher_is_a_clear_error(tmp_path):
+    code = "import mpidist as dist\ndist.init_process_group()\n"
+    env = _clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "ValueError: init_process_group: this process was not started by an MPI launcher" in p.stderr
+    assert "mpiexec -n N" in p.stderr
+
+
+@only_once
+def test_mpi_initialized_too_early_is_a_clear_error(tmp_path):
+    code = "from mpi4py import MPI\nimport mpidist as dist\ndist.init_process_group(rank=0, world_size=2)\n"
+    p = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "import mpidist before mpi4py.MPI" in p.stderr
+
+
+def test_a_library_without_pmi1_is_refused(monkeypatch):
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: "Open MPI v5.0.11, package: Open MPI\n")
+    with pytest.raises(RuntimeError, match=r"^init_process_group: this process was not started by an MPI launcher, "
+                       r"and Open MPI v5\.0\.11.*mpiexec -n N"):
+        rendezvous._require_pmi1("init_process_group")
+
+
+@pytest.mark.parametrize(
+    "hosts, expected",
+    [
+        (["a"], "(vector,(0,1,1))"),
+        (["a", "a", "a"], "(vector,(0,1,3))"),
+        (["a", "a", "b", "b"], "(vector,(0,1,2),(1,1,2))"),
+        (["a", "b", "a"], "(vector,(0,1,1),(1,1,1),(0,1,1))"),
+    ],
+)
+def test_process_mapping(hosts, expected):
+    assert pmi.process_mapping(hosts) == expected
+
+
+@pytest.mark.parametrize(
+    "url, rank, size, expected",
+    [
+        ("tcp://10.0.0.1:29500?rank=2&world_size=4", -1, -1, ("tcp", 2, 4, "10.0.0.1", 29500, None)),
+        ("tcp://h:1", 1, 3, ("tcp", 1, 3, "h", 1, None)),
+        ("file:///tmp/x?world_size=2", 0, -1, ("file", 0, 2, None, None, "/tmp/x")),
+    ],
+)
+def test_plan_from_url(url, rank, size, expected):
+    plan = rendezvous.plan_from(url, None, rank, size, "init_process_group")
+    assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port, plan.path) == expected
+
+
+def test_plan_from_env(monkeypatch):
+    for var, value in (("RANK", "3"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "1234")):
+        monkeypatch.setenv(var, value)
+    plan = rendezvous.plan_from(None, None, -1, -1, "init_process_group")
+    assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port) == ("env", 3, 8, "node0", 1234)
+    assert rendezvous.plan_from(None, None, 5, 9, "f").rank == 5  # arguments win over the environment
