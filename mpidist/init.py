@@ -168,7 +168,7 @@ def init_process_group(
         claims = _claims(init_method, rank, world_size, fn)
         if store is not None:
             _check_store(store, fn)
-        plan = plan_from(init_method, store, rank, world_size, fn)
+        plan = plan_from(init_method, store, claims, fn)
         set_debug_level_from_env()
 
         met = None  # the store through which processes without a launcher met

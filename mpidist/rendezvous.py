@@ -19,11 +19,11 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import urlparse
 
 from ._world import world
 
-__all__ = ["Plan", "plan_from", "store_for", "launch_free_world", "store_under_launcher"]
+__all__ = ["Plan", "plan_from", "store_for", "launch_free_world"]
 
 _KEY = "mpidist/boot"
 
@@ -40,26 +40,19 @@ class Plan:
     path: str | None = None
 
 
-def _env_int(var: str, fn: str) -> int | None:
-    text = os.environ.get(var, "").strip()
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{fn}: environment variable {var}={text!r} is not an int") from None
+def plan_from(init_method: str | None, store: Any, claims: list[tuple[str, str, int]], fn: str) -> Plan:
+    """Read where to meet from the URL (or ``MASTER_ADDR``/``MASTER_PORT``) into a Plan.
 
-
-def plan_from(init_method: str | None, store: Any, rank: int, world_size: int, fn: str) -> Plan:
-    """Combine the arguments, the URL and (for ``env://``) the environment into a Plan."""
+    ``claims`` are init's validated statements of rank and world size (arguments
+    first, then the URL's query, then ``RANK``/``WORLD_SIZE``); the first of each wins.
+    """
+    stated = {}
+    for _, what, value in claims:
+        stated.setdefault(what, value)
+    rank, world_size = stated.get("rank", -1), stated.get("world_size", -1)
     if store is not None:
         return Plan("store", rank, world_size)
     url = urlparse(init_method or "env://")
-    query = parse_qs(url.query)
-    for what in ("rank", "world_size"):
-        if what in query and (rank if what == "rank" else world_size) == -1:
-            value = int(query[what][0])  # validated by init's claims
-            rank, world_size = (value, world_size) if what == "rank" else (rank, value)
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"{fn}: init_method {init_method!r} must be tcp://host:port")
@@ -69,14 +62,11 @@ def plan_from(init_method: str | None, store: Any, rank: int, world_size: int, f
         if not path:
             raise ValueError(f"{fn}: init_method {init_method!r} must be file:///path/to/file")
         return Plan("file", rank, world_size, path=path)
-    env_rank, env_size = _env_int("RANK", fn), _env_int("WORLD_SIZE", fn)
-    port = _env_int("MASTER_PORT", fn)
+    port = os.environ.get("MASTER_PORT", "").strip()
+    if port and not port.isdigit():
+        raise ValueError(f"{fn}: environment variable MASTER_PORT={port!r} is not a port number")
     return Plan(
-        "env",
-        rank if rank != -1 else (env_rank if env_rank is not None else -1),
-        world_size if world_size != -1 else (env_size if env_size is not None else -1),
-        host=os.environ.get("MASTER_ADDR", "").strip() or None,
-        port=port,
+        "env", rank, world_size, host=os.environ.get("MASTER_ADDR", "").strip() or None, port=int(port) if port else None
     )
 
 
@@ -92,25 +82,6 @@ def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: st
             "port of rank 0), or start the processes with mpiexec"
         )
     return TCPStore(plan.host, plan.port, world_size, rank == 0, timeout, wait_for_workers=False)
-
-
-def store_under_launcher(plan: Plan, store: Any, comm: Any, single_node: bool, timeout: timedelta, fn: str) -> Any:
-    """The default store when MPI already connects the processes (collective over ``comm``)."""
-    if store is not None:
-        return store
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if plan.scheme in ("tcp", "file") or (plan.host is not None and plan.port is not None):
-        return store_for(plan, rank, size, timeout, fn)
-    from .store import TCPStore
-
-    # nothing names a store: rank 0 opens one on a free port and tells the others
-    address = None
-    if rank == 0:
-        host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
-        made = TCPStore(host, 0, size, True, timeout, wait_for_workers=False)
-        address = (host, made.port)
-    address = comm.bcast(address, root=0)
-    return made if rank == 0 else TCPStore(address[0], address[1], size, False, timeout, wait_for_workers=False)
 
 
 def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tuple[Any, dict[str, str]]:

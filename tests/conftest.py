@@ -23,6 +23,16 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
+@pytest.fixture
+def no_group():
+    """Run the test without a default group; leave none behind for the harness to re-create."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _destroy_new_groups():
     """Free the groups a test created, so communicators do not pile up."""

@@ -31,16 +31,6 @@ SIZE = MPI.COMM_WORLD.Get_size()
 LAST = SIZE - 1
 
 
-@pytest.fixture
-def no_group():
-    """Run the test without a default group; leave none behind for the harness to re-create."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def init(**kwargs) -> None:
     kwargs.setdefault("timeout", PG_TIMEOUT_S)
     dist.init_process_group(**kwargs)

@@ -17,6 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import pmi, rendezvous
+from mpidist.init import _claims
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -176,13 +177,20 @@ def test_process_mapping(hosts, expected):
     ],
 )
 def test_plan_from_url(url, rank, size, expected):
-    plan = rendezvous.plan_from(url, None, rank, size, "init_process_group")
+    claims = _claims(url, rank, size, "init_process_group")
+    plan = rendezvous.plan_from(url, None, claims, "init_process_group")
     assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port, plan.path) == expected
 
 
 def test_plan_from_env(monkeypatch):
     for var, value in (("RANK", "3"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "1234")):
         monkeypatch.setenv(var, value)
-    plan = rendezvous.plan_from(None, None, -1, -1, "init_process_group")
+    plan = rendezvous.plan_from(None, None, _claims(None, -1, -1, "f"), "f")
     assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port) == ("env", 3, 8, "node0", 1234)
-    assert rendezvous.plan_from(None, None, 5, 9, "f").rank == 5  # arguments win over the environment
+    assert rendezvous.plan_from(None, None, _claims(None, 5, 9, "f"), "f").rank == 5  # arguments win over the environment
+
+
+def test_master_port_that_is_not_a_number(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "http")
+    with pytest.raises(ValueError, match=r"^f: environment variable MASTER_PORT='http' is not a port number$"):
+        rendezvous.plan_from(None, None, [], "f")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import mpidist as dist
 from mpidist import DistributedSampler
 
 from helpers import check_raises, fail_together
@@ -24,16 +23,6 @@ RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 LENGTHS = [*range(0, 26), 31, 64, 97, 128]
 REPLICAS = range(1, 8)
-
-
-@pytest.fixture
-def no_group():
-    """Run the test without a default group; leave none behind for the harness to re-create."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def torch_sampler_class():

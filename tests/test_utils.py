@@ -35,16 +35,6 @@ R = dist.ReduceOp
 
 
 @pytest.fixture
-def no_group():
-    """Run the test without a default group; leave none behind for the harness to re-create."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def master_env(monkeypatch):
     """MASTER_ADDR/MASTER_PORT as they were before the test, restored afterwards."""
     monkeypatch.delenv("MASTER_ADDR", raising=False)
