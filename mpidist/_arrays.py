@@ -17,6 +17,7 @@ collectives.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 ndarray = np.ndarray
+
+#: the array kinds mpidist takes, for messages
+_KINDS = "numpy.ndarray, torch.Tensor, or a CUDA array with __cuda_array_interface__ or DLPack"
 
 
 class DtypeInfo:
@@ -103,6 +107,52 @@ def dtype_info(dtype: np.dtype, fn: str, arg: str) -> DtypeInfo:
     raise TypeError(f"{fn}: {arg} has dtype {what}, which mpidist does not send; supported: {names}")
 
 
+def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
+    """torch dtype -> numpy dtype, for the dtypes mpidist sends (built once per process)."""
+    table = world.torch_dtypes
+    if table is None:
+        names = {
+            "bool": np.bool_, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+            "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+            "float16": np.float16, "float32": np.float32, "float64": np.float64,
+            "complex64": np.complex64, "complex128": np.complex128,
+        }  # fmt: skip
+        table = {getattr(torch, n): np.dtype(t) for n, t in names.items() if hasattr(torch, n)}
+        if _ml_dtypes is not None:
+            table[torch.bfloat16] = np.dtype(_ml_dtypes.bfloat16)
+        world.torch_dtypes = table
+    return table
+
+
+def _torch_view(t: Any, torch: Any, fn: str, arg: str) -> ndarray:
+    """Return a numpy view of a CPU tensor's memory (zero-copy, strides kept).
+
+    Like torch.distributed, a tensor that requires grad is read and written
+    without autograd (the collective acts on its data, as on ``t.detach()``).
+    """
+    if t.layout is not torch.strided:
+        raise TypeError(f"{fn}: {arg} is a {t.layout} tensor; mpidist sends dense (strided) tensors, pass t.to_dense()")
+    if t.device.type != "cpu":
+        raise TypeError(
+            f"{fn}: {arg} is a torch tensor on device {t.device.type!r}; mpidist takes CPU tensors "
+            "and CUDA tensors (through __cuda_array_interface__)"
+        )
+    if t.is_conj() or t.is_neg():
+        raise TypeError(
+            f"{fn}: {arg} is a lazily conjugated or negated view; its memory does not hold its values, "
+            "pass t.resolve_conj().resolve_neg() (a copy)"
+        )
+    dtype = _torch_dtypes(torch).get(t.dtype)
+    if dtype is None:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in _torch_dtypes(torch)))
+        raise TypeError(f"{fn}: {arg} has dtype {t.dtype}, which mpidist does not send; supported: {names}")
+    if t.requires_grad:
+        t = t.detach()
+    if dtype.kind == "V":  # bfloat16: numpy has no torch bfloat16, move the bits as int16
+        return t.view(torch.int16).numpy().view(dtype)
+    return t.numpy()
+
+
 def _adapt(x: Any, fn: str, arg: str) -> ndarray:
     """Return a numpy view of ``x`` (zero-copy), or raise a TypeError for unsupported kinds."""
     if isinstance(x, ndarray):
@@ -112,12 +162,18 @@ def _adapt(x: Any, fn: str, arg: str) -> ndarray:
                 "pass arr.filled(value) or arr.data explicitly"
             )
         return x
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _torch_view(x, torch, fn, arg)
     hint = ""
     if isinstance(x, (list, tuple, int, float, complex, bool)):
         hint = "; convert it with numpy.asarray(...)"
     elif isinstance(x, np.generic):
         hint = "; numpy scalars are immutable, use numpy.array(value) instead"
-    raise TypeError(f"{fn}: {arg} must be a numpy.ndarray, got {type(x).__module__}.{type(x).__qualname__}{hint}")
+    raise TypeError(
+        f"{fn}: {arg} must be an array ({_KINDS}), got "
+        f"{type(x).__module__}.{type(x).__qualname__}{hint}"
+    )
 
 
 def as_array(x: Any, fn: str, arg: str, writeable: bool = False) -> ndarray:

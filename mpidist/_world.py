@@ -58,6 +58,7 @@ class World:
         self.stats = Stats()
         # Per-MPI-library tables (datatypes, op support); they survive reset().
         self.mpi_type_table: Any = None
+        self.torch_dtypes: Any = None  # torch dtype -> numpy dtype (built on first use)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
         self.survey_count = 0  # timeout diagnoses started here (see stall.py)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment

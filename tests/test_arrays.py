@@ -100,7 +100,7 @@ def test_not_an_array(fn, kind):
         "isend": (lambda: dist.isend(value, dst=PEER), "isend: tensor"),
     }
     call, where = calls[fn]
-    expect_error_then_working_group(TypeError, rf"^{where} must be a numpy\.ndarray, {hint}", call)
+    expect_error_then_working_group(TypeError, rf"^{where} must be an array \(numpy\.ndarray, torch\.Tensor, .*\), {hint}", call)
 
 
 _DTYPE_CALLS = {
@@ -657,7 +657,7 @@ def test_prepare_output():
 
 def test_prepare_functions_name_the_function_and_argument():
     cases = [
-        ([1, 2], r"^myfn: myarg must be a numpy\.ndarray, got builtins\.list; convert it with numpy\.asarray"),
+        ([1, 2], r"^myfn: myarg must be an array \(numpy\.ndarray, torch\.Tensor, .*\), got builtins\.list; convert it with numpy\.asarray"),
         (np.array([None, 1]), r"^myfn: myarg has dtype object"),
         (np.zeros(3, dtype=[("a", "i4")]), r"^myfn: myarg has dtype structured"),
         (np.zeros(3, ">f4"), r"^myfn: myarg has non-native byte order \(>f4\)"),
@@ -684,7 +684,7 @@ def test_prepare_lists():
     assert len(backs) == 1 and backs[0][1] is xs[1] and backs[0][0] is bufs[1]
     with pytest.raises(ValueError, match=r"^fn: xs has 3 arrays but the group has 2 ranks; pass one per rank"):
         _arrays.prepare_input_list(xs, "fn", "xs", 2)
-    with pytest.raises(TypeError, match=r"^fn: xs\[1\] must be a numpy\.ndarray"):
+    with pytest.raises(TypeError, match=r"^fn: xs\[1\] must be an array \(numpy\.ndarray, torch\.Tensor, .*\), got"):
         _arrays.prepare_input_list([np.zeros(1), 5], "fn", "xs")
     with pytest.raises(ValueError, match=r"^fn: xs\[0\] is read-only"):
         _arrays.prepare_output_list([readonly(np.zeros(1))], "fn", "xs")
