@@ -10,18 +10,25 @@ outputs that had to be staged, the caller's array to copy the result into.
 * Anything else (lists, scalars, object or structured dtypes, read-only outputs)
   raises a TypeError or ValueError that names the function and the argument.
 
-Other array kinds (torch tensors, cupy arrays, ``__cuda_array_interface__`` and
-DLPack objects) plug in as adapters in :func:`_adapt` without touching the
-collectives.
+Array kinds (:func:`_adapt`):
+
+* numpy arrays, and host DLPack exporters (through ``numpy.from_dlpack``);
+* torch CPU tensors: a numpy view of the tensor's memory (bfloat16 as its bits,
+  strides kept, so results land in the caller's tensor); requires_grad ignored
+  for the data, as in torch.distributed;
+* GPU memory (cupy and numba arrays, torch CUDA tensors, CUDA DLPack exporters):
+  a :class:`~mpidist._device.DeviceArray`. Backends take it as they take numpy
+  arrays; a non-contiguous one is staged through a contiguous device copy.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ._device import DLPACK_CPU, DLPACK_CUDA, DeviceArray, from_cuda_interface, from_dlpack, from_torch_cuda
 from ._world import world
 
 try:  # bfloat16 for numpy comes from ml_dtypes (a dependency)
@@ -42,9 +49,14 @@ __all__ = [
     "write_back",
     "may_overlap",
     "as_array",
+    "DeviceArray",
+    "is_device",
 ]
 
 ndarray = np.ndarray
+
+#: what backends get: a C-contiguous numpy array, or a DeviceArray for GPU memory
+Buffer = Union[ndarray, DeviceArray]
 
 #: the array kinds mpidist takes, for messages
 _KINDS = "numpy.ndarray, torch.Tensor, or a CUDA array with __cuda_array_interface__ or DLPack"
@@ -124,19 +136,17 @@ def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
     return table
 
 
-def _torch_view(t: Any, torch: Any, fn: str, arg: str) -> ndarray:
-    """Return a numpy view of a CPU tensor's memory (zero-copy, strides kept).
+def _torch_array(t: Any, torch: Any, fn: str, arg: str) -> ndarray | DeviceArray:
+    """Return a numpy view of a CPU tensor's memory (zero-copy, strides kept), or a CUDA tensor's DeviceArray.
 
     Like torch.distributed, a tensor that requires grad is read and written
     without autograd (the collective acts on its data, as on ``t.detach()``).
     """
     if t.layout is not torch.strided:
         raise TypeError(f"{fn}: {arg} is a {t.layout} tensor; mpidist sends dense (strided) tensors, pass t.to_dense()")
-    if t.device.type != "cpu":
-        raise TypeError(
-            f"{fn}: {arg} is a torch tensor on device {t.device.type!r}; mpidist takes CPU tensors "
-            "and CUDA tensors (through __cuda_array_interface__)"
-        )
+    kind = t.device.type
+    if kind not in ("cpu", "cuda"):
+        raise TypeError(f"{fn}: {arg} is a torch tensor on device {kind!r}; mpidist takes CPU and CUDA tensors")
     if t.is_conj() or t.is_neg():
         raise TypeError(
             f"{fn}: {arg} is a lazily conjugated or negated view; its memory does not hold its values, "
@@ -148,13 +158,27 @@ def _torch_view(t: Any, torch: Any, fn: str, arg: str) -> ndarray:
         raise TypeError(f"{fn}: {arg} has dtype {t.dtype}, which mpidist does not send; supported: {names}")
     if t.requires_grad:
         t = t.detach()
+    if kind == "cuda":
+        return from_torch_cuda(t, torch, dtype, fn, arg)
     if dtype.kind == "V":  # bfloat16: numpy has no torch bfloat16, move the bits as int16
         return t.view(torch.int16).numpy().view(dtype)
     return t.numpy()
 
 
-def _adapt(x: Any, fn: str, arg: str) -> ndarray:
-    """Return a numpy view of ``x`` (zero-copy), or raise a TypeError for unsupported kinds."""
+def _from_dlpack(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
+    try:
+        device_type = int(x.__dlpack_device__()[0])
+    except Exception as exc:  # noqa: BLE001 - a broken exporter
+        raise TypeError(f"{fn}: {arg} has a __dlpack_device__ that failed: {exc}") from exc
+    if device_type == DLPACK_CPU:
+        return np.from_dlpack(x)
+    if device_type in DLPACK_CUDA:
+        return from_dlpack(x, device_type, fn, arg)
+    raise TypeError(f"{fn}: {arg} is a DLPack array on device type {device_type}; mpidist takes host and CUDA memory")
+
+
+def _adapt(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
+    """Return a numpy view of ``x`` or a DeviceArray (zero-copy), or raise a TypeError."""
     if isinstance(x, ndarray):
         if isinstance(x, np.ma.MaskedArray):
             raise TypeError(
@@ -164,7 +188,14 @@ def _adapt(x: Any, fn: str, arg: str) -> ndarray:
         return x
     torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
     if torch is not None and isinstance(x, torch.Tensor):
-        return _torch_view(x, torch, fn, arg)
+        return _torch_array(x, torch, fn, arg)
+    if type(x) is DeviceArray:
+        return x
+    cls = type(x)
+    if hasattr(cls, "__cuda_array_interface__"):
+        return from_cuda_interface(x, fn, arg)
+    if hasattr(cls, "__dlpack_device__") and hasattr(cls, "__dlpack__"):
+        return _from_dlpack(x, fn, arg)
     hint = ""
     if isinstance(x, (list, tuple, int, float, complex, bool)):
         hint = "; convert it with numpy.asarray(...)"
@@ -176,9 +207,16 @@ def _adapt(x: Any, fn: str, arg: str) -> ndarray:
     )
 
 
+def is_device(x: Any) -> bool:
+    """True for a prepared device array (what backends get for GPU memory)."""
+    return type(x) is DeviceArray
+
+
 def as_array(x: Any, fn: str, arg: str, writeable: bool = False) -> ndarray:
     """Return a validated numpy view of ``x`` (any layout), without staging."""
     a = x if type(x) is ndarray else _adapt(x, fn, arg)
+    if type(a) is DeviceArray:
+        raise TypeError(f"{fn}: {arg} is a device array; {fn} takes host arrays (numpy, CPU tensors) only")
     dtype_info(a.dtype, fn, arg)
     if writeable:
         _check_writeable(a, fn, arg)
@@ -195,12 +233,23 @@ def _contiguous_copy(a: ndarray) -> ndarray:
     return out
 
 
-def prepare_input(x: Any, fn: str, arg: str) -> ndarray:
-    """Return a C-contiguous numpy array with ``x``'s data, for reading only."""
+def _device_copy(a: DeviceArray, keep_data: bool) -> DeviceArray:
+    tmp = a.ops.empty(a.shape, a.dtype, a.device)
+    tmp.stream = a.stream
+    if keep_data:
+        a.ops.copy(tmp, a)
+    world.stats.count_copy(tmp.nbytes)
+    return tmp
+
+
+def prepare_input(x: Any, fn: str, arg: str) -> Buffer:
+    """Return a C-contiguous array (numpy, or DeviceArray for GPU memory) with ``x``'s data, for reading only."""
     if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
         return x
     a = _adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
+    if type(a) is DeviceArray:
+        return a if a.c_contiguous else _device_copy(a, keep_data=True)
     return a if a.flags.c_contiguous else _contiguous_copy(a)
 
 
@@ -209,7 +258,7 @@ def _check_writeable(a: ndarray, fn: str, arg: str) -> None:
         raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
 
 
-def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
+def prepare_inout(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
     """Return ``(buffer, target)``: a contiguous buffer holding ``x``'s data.
 
     ``target`` is None when the buffer is ``x`` itself, else the array to copy
@@ -218,18 +267,22 @@ def prepare_inout(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
     return _prepare_writable(x, fn, arg, keep_data=True)
 
 
-def prepare_output(x: Any, fn: str, arg: str) -> tuple[ndarray, ndarray | None]:
+def prepare_output(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
     """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
     return _prepare_writable(x, fn, arg, keep_data=False)
 
 
-def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[ndarray, ndarray | None]:
+def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[Buffer, Buffer | None]:
     if type(x) is ndarray and x.dtype in DTYPES:
         f = x.flags
         if f.c_contiguous and f.writeable:
             return x, None
     a = _adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
+    if type(a) is DeviceArray:
+        if a.readonly:
+            raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
+        return (a, None) if a.c_contiguous else (_device_copy(a, keep_data), a)
     _check_writeable(a, fn, arg)
     if a.flags.c_contiguous:
         return a, None
@@ -240,8 +293,14 @@ def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[ndarr
     return tmp, a
 
 
-def write_back(buf: ndarray, target: ndarray) -> None:
-    """Copy a staged result into the caller's array."""
+def write_back(buf: ndarray | DeviceArray, target: ndarray | DeviceArray) -> None:
+    """Copy a staged result into the caller's array (host or device)."""
+    if type(target) is DeviceArray:
+        if type(buf) is DeviceArray:
+            target.ops.copy(target, buf)
+        else:
+            target.ops.to_device(target, buf)
+        return
     np.copyto(target, buf.reshape(target.shape), casting="no")
 
 
@@ -253,7 +312,7 @@ def _check_list(xs: Any, fn: str, arg: str, n: int | None) -> Sequence[Any]:
     return xs
 
 
-def prepare_input_list(xs: Any, fn: str, arg: str, n: int | None = None) -> list[ndarray]:
+def prepare_input_list(xs: Any, fn: str, arg: str, n: int | None = None) -> list[Buffer]:
     """Prepare every array of a list as an input (see :func:`prepare_input`)."""
     xs = _check_list(xs, fn, arg, n)
     return [prepare_input(x, fn, f"{arg}[{i}]") for i, x in enumerate(xs)]
@@ -261,14 +320,14 @@ def prepare_input_list(xs: Any, fn: str, arg: str, n: int | None = None) -> list
 
 def prepare_output_list(
     xs: Any, fn: str, arg: str, n: int | None = None
-) -> tuple[list[ndarray], list[tuple[ndarray, ndarray]]]:
+) -> tuple[list[Buffer], list[tuple[Buffer, Buffer]]]:
     """Prepare every array of a list as an output.
 
     Returns the buffers and the ``(buffer, target)`` pairs that need a write-back.
     """
     xs = _check_list(xs, fn, arg, n)
-    bufs: list[ndarray] = []
-    backs: list[tuple[ndarray, ndarray]] = []
+    bufs: list[Buffer] = []
+    backs: list[tuple[Buffer, Buffer]] = []
     for i, x in enumerate(xs):
         buf, target = prepare_output(x, fn, f"{arg}[{i}]")
         bufs.append(buf)

@@ -59,6 +59,10 @@ class World:
         # Per-MPI-library tables (datatypes, op support); they survive reset().
         self.mpi_type_table: Any = None
         self.torch_dtypes: Any = None  # torch dtype -> numpy dtype (built on first use)
+        self.device_ops: Any = None  # _device.CupyOps, made on the first GPU array
+        self.cuda_aware: bool | None = None  # whether MPI takes device pointers (_device.mpi_cuda_aware)
+        self.staging_warned = False  # the one-time warning about staging device arrays through host memory
+        self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
         self.survey_count = 0  # timeout diagnoses started here (see stall.py)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment

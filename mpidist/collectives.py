@@ -25,7 +25,7 @@ from ._arrays import (
 )
 from ._world import world
 from .errors import RankNotInGroupError
-from .process_group import ProcessGroup, absent, rank_int, resolve_group
+from .process_group import ProcessGroup, absent, backend_for, rank_int, resolve_group
 from .reduce_op import ReduceOp, check_op
 from .work import Work
 
@@ -117,7 +117,7 @@ def broadcast(
         else:
             buf, target = prepare_output(tensor, fn, "tensor")
             backs = None if target is None else [(buf, target)]
-        w = impl.broadcast(buf, backs, root, async_op)
+        w = backend_for(pg, fn, buf).broadcast(buf, backs, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -138,7 +138,7 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     w = impl.fast_all_reduce(tensor, op, async_op)
     if w is NotImplemented:
         buf, target = prepare_inout(tensor, "all_reduce", "tensor")
-        w = impl.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
+        w = backend_for(pg, "all_reduce", buf).all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -167,7 +167,7 @@ def reduce(
         backs = None if target is None else [(buf, target)]
     else:
         buf, backs = prepare_input(tensor, fn, "tensor"), None
-    w = impl.reduce(buf, backs, op, root, async_op)
+    w = backend_for(pg, fn, buf).reduce(buf, backs, op, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -190,7 +190,7 @@ def all_gather(
     outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", impl.size)
     _same_dtype(fn, inp, "tensor", outs, "tensor_list")
     _check_own_size(fn, outs[impl.rank], "tensor_list", impl.rank, inp, "tensor")
-    w = impl.all_gather(outs, backs or None, inp, async_op)
+    w = backend_for(pg, fn, inp, outs).all_gather(outs, backs or None, inp, async_op)
     if w is not None:
         w._outputs = [tensor_list]
     return w
@@ -225,7 +225,9 @@ def all_gather_into_tensor(
                 f"{fn}: output_tensor has {out.size} elements but must have world_size * "
                 f"input_tensor.size = {impl.size} * {inp.size} = {impl.size * inp.size}"
             )
-        w = impl.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
+        w = backend_for(pg, fn, out, inp).all_gather_into_tensor(
+            out, None if target is None else [(out, target)], inp, async_op
+        )
     if w is not None:
         w._outputs = [output_tensor]
     return w
@@ -259,11 +261,11 @@ def gather(
         outs, backs = prepare_output_list(gather_list, fn, "gather_list", impl.size)
         _same_dtype(fn, inp, "tensor", outs, "gather_list")
         _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
-        w = impl.gather(inp, outs, backs or None, root, async_op)
+        w = backend_for(pg, fn, inp, outs).gather(inp, outs, backs or None, root, async_op)
     else:
         if gather_list:
             raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
-        w = impl.gather(inp, None, None, root, async_op)
+        w = backend_for(pg, fn, inp).gather(inp, None, None, root, async_op)
     if w is not None:
         w._outputs = [gather_list] if impl.rank == root else []
     return w
@@ -299,7 +301,7 @@ def scatter(
         if scatter_list:
             raise ValueError(f"{fn}: scatter_list must be None (or empty) on non-source ranks")
         ins = None
-    w = impl.scatter(out, backs, ins, root, async_op)
+    w = backend_for(pg, fn, out, ins).scatter(out, backs, ins, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -318,7 +320,7 @@ def reduce_scatter(
     ins = prepare_input_list(input_list, fn, "input_list", impl.size)
     _same_dtype(fn, out, "output", ins, "input_list")
     _check_own_size(fn, ins[impl.rank], "input_list", impl.rank, out, "output")
-    w = impl.reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
+    w = backend_for(pg, fn, out, ins).reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
     if w is not None:
         w._outputs = [output]
     return w
@@ -351,7 +353,9 @@ def reduce_scatter_tensor(
                 f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
                 f"{impl.size} * {out.size} = {impl.size * out.size}"
             )
-        w = impl.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
+        w = backend_for(pg, fn, out, inp).reduce_scatter_tensor(
+            out, None if target is None else [(out, target)], inp, op, async_op
+        )
     if w is not None:
         w._outputs = [output]
     return w
@@ -426,7 +430,9 @@ def all_to_all_single(
             in_counts = [inp.size // n] * n
         if out_counts is None:
             out_counts = [out.size // n] * n
-    w = impl.all_to_all_single(out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op)
+    w = backend_for(pg, fn, out, inp).all_to_all_single(
+        out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op
+    )
     if w is not None:
         w._outputs = [output]
     return w
@@ -454,7 +460,7 @@ def all_to_all(
             f"{fn}: output_tensor_list[{me}] has {outs[me].size} elements but input_tensor_list[{me}] "
             f"(sent to this rank itself) has {ins[me].size}; they must match"
         )
-    w = impl.all_to_all(outs, backs or None, ins, async_op)
+    w = backend_for(pg, fn, outs, ins).all_to_all(outs, backs or None, ins, async_op)
     if w is not None:
         w._outputs = [output_tensor_list]
     return w

@@ -100,12 +100,25 @@ def set_debug_level_from_env() -> None:
 
 
 def apply(pg: Any) -> None:
-    """Wrap or unwrap ``pg``'s backend to match the current level."""
-    wrapped = isinstance(pg.impl, DebugBackend)
+    """Wrap or unwrap ``pg``'s backends (host and device) to match the current level."""
+    same = pg.device_impl is pg.impl
+    pg.impl = _rewrap(pg.impl, pg)
+    if pg.device_impl is not None:
+        pg.device_impl = pg.impl if same else _rewrap(pg.device_impl, pg)
+
+
+def _rewrap(impl: Any, pg: Any) -> Any:
+    wrapped = isinstance(impl, DebugBackend)
     if world.debug_level > DebugLevel.OFF and not wrapped:
-        pg.impl = DebugBackend(pg.impl, pg)
-    elif world.debug_level == DebugLevel.OFF and wrapped:
-        pg.impl = pg.impl.inner
+        return DebugBackend(impl, pg)
+    if world.debug_level == DebugLevel.OFF and wrapped:
+        return impl.inner
+    return impl
+
+
+def wrap(impl: Any, pg: Any) -> Any:
+    """Wrap a backend made after the group (a device backend) if debugging is on."""
+    return DebugBackend(impl, pg) if world.debug_level > DebugLevel.OFF else impl
 
 
 def _arr(a: np.ndarray | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from . import debug
 from ._world import world
-from .backends.registry import BackendOptions, create_backend, parse_backend
+from .backends.registry import Backend, BackendOptions, create_backend, nccl_available, parse_backend
 from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
 from .work import timeout_seconds
 
@@ -54,7 +54,7 @@ def make_group(
     """
     from .backends.mpi import MPIBackend
 
-    backend_name = devices["cpu"]
+    backend_name = devices.get("cpu") or devices["cuda"]
     store = None
     if world.store is not None:
         from .store import PrefixStore
@@ -64,15 +64,63 @@ def make_group(
     control_comm = comm.Dup()
     try:
         impl = create_backend(backend_name, options, pg_options)
+        device_impl = None
+        cuda = devices.get("cuda", backend_name)
+        if cuda != backend_name and (cuda != Backend.NCCL or nccl_available()):
+            # e.g. cpu:mpi,cuda:nccl: made now, collectively. Without a usable NCCL (no GPU, no
+            # cupy) the group still runs host arrays; a GPU array then gets a clear error.
+            device_impl = create_backend(cuda, options, pg_options)
     except BaseException:
         control_comm.Free()
         comm.Free()
         raise
     control = MPIBackend(control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks))
-    pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "")
+    factory = _DeviceFactory(options, pg_options)
+    pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "", factory)
+    if device_impl is not None:
+        pg.device_impl = device_impl
+    elif "cuda" in devices and "cpu" not in devices:  # a device-only group: no host fast lane either
+        if isinstance(impl, MPIBackend):
+            from .backends.mpi_device import MPIDeviceBackend
+
+            pg.impl = impl = MPIDeviceBackend(impl, owns_inner=True)
+        pg.device_impl = impl
     world.register_group(pg)
     debug.apply(pg)
     return pg
+
+
+class _DeviceFactory:
+    """Builds a group's backend for device arrays on first use.
+
+    A group whose device backend was named (``cuda:nccl``, ``cuda:mpi``, ``nccl``) got
+    it at creation; this covers the rest: ``backend=None`` sends device arrays to NCCL
+    when cupy's NCCL bindings and a GPU are there, else (and for arrays a GPU runtime
+    does not manage, such as ``mpidist.testing.HostCudaArray``) through the MPI
+    backend, CUDA-aware or staged (``backends/mpi_device.py``).
+    """
+
+    def __init__(self, options: BackendOptions, pg_options: Any) -> None:
+        self.options = options
+        self.pg_options = pg_options
+
+    def __call__(self, pg: ProcessGroup, fn: str, arr: Any) -> Any:
+        from .backends.mpi import MPIBackend
+        from .backends.mpi_device import MPIDeviceBackend
+        from .backends.registry import nccl_usable
+
+        wanted = pg.devices.get("cuda")
+        if wanted in (None, Backend.NCCL) and nccl_usable(arr):
+            if wanted is None:
+                return debug.wrap(create_backend(Backend.NCCL, self.options, self.pg_options), pg)
+            raise TypeError(f"{fn}: process group {pg.group_name} has no NCCL communicator (it was created without a usable NCCL)")
+        inner = getattr(pg.impl, "inner", pg.impl)  # under a debug wrapper
+        if not isinstance(inner, MPIBackend):
+            raise TypeError(
+                f"{fn}: process group {pg.group_name} (backend {pg.backend_name}) cannot take this device "
+                f"array ({arr!r}); name a device backend, e.g. backend='cpu:mpi,cuda:mpi'"
+            )
+        return debug.wrap(MPIDeviceBackend(inner), pg)
 
 
 def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ._arrays import prepare_input, prepare_output
 from ._world import world
 from .collectives import root_rank
-from .process_group import ProcessGroup, resolve_group
+from .process_group import ProcessGroup, backend_for, resolve_group
 from .work import Work
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
@@ -44,14 +44,14 @@ def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
 
 def _start_send(pg: ProcessGroup, tensor: Any, peer: int, tag: Any, fn: str) -> Work:
     buf = prepare_input(tensor, fn, "tensor")
-    w = pg.impl.send(buf, peer, _tag(tag, fn))
+    w = backend_for(pg, fn, buf).send(buf, peer, _tag(tag, fn))
     w._outputs = [tensor]
     return w
 
 
 def _start_recv(pg: ProcessGroup, tensor: Any, peer: int | None, tag: Any, fn: str) -> Work:
     buf, target = prepare_output(tensor, fn, "tensor")
-    w = pg.impl.recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
+    w = backend_for(pg, fn, buf).recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
     w._outputs = [tensor]
     return w
 
@@ -190,9 +190,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     works = []
     for is_send, buf, target, p, tag in prepared:
         if is_send:
-            w = pg.impl.send(buf, p.group_peer, tag)
+            w = backend_for(pg, fn, buf).send(buf, p.group_peer, tag)
         else:
-            w = pg.impl.recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
+            w = backend_for(pg, fn, buf).recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
         w._outputs = [p.tensor]
         works.append(w)
     return works

@@ -6,11 +6,12 @@ import operator
 from datetime import timedelta
 from typing import Any
 
+from ._device import DeviceArray
 from ._world import world
 from .backends.base import BaseBackend
 from .errors import RankNotInGroupError
 
-__all__ = ["ProcessGroup", "GroupMember", "group", "resolve_group", "absent", "rank_int", "NON_GROUP_MEMBER"]
+__all__ = ["backend_for", "ProcessGroup", "GroupMember", "group", "resolve_group", "absent", "rank_int", "NON_GROUP_MEMBER"]
 
 
 class ProcessGroup:
@@ -33,8 +34,9 @@ class ProcessGroup:
         devices: dict[str, str],
         comm: Any = None,
         group_desc: str = "",
+        device_factory: Any = None,
     ) -> None:
-        self.impl = impl
+        self.impl = impl  # the backend for host arrays (for a cuda-only group: its device backend)
         self.control = control  # MPIBackend over a private duplicate: library traffic
         self.ranks = ranks
         self.group_name = group_name
@@ -46,6 +48,30 @@ class ProcessGroup:
         self._identity = ranks == list(range(len(ranks)))
         self._group_of = {g: i for i, g in enumerate(ranks)}
         self.destroyed = False
+        self.host_ok = "cpu" in devices
+        self._device_factory = device_factory  # builds the backend for device arrays, on first use
+        self.device_impl: BaseBackend | None = None
+
+    def device_backend(self, fn: str, arr: Any) -> BaseBackend:
+        """Return the backend for a call on device arrays (``arr`` is one of them), made on first use."""
+        d = self.device_impl
+        if d is None or not d.takes(arr):
+            if self._device_factory is None:
+                raise TypeError(f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays")
+            d = self._device_factory(self, fn, arr)
+            if self.device_impl is None:
+                self.device_impl = d
+        return d
+
+    def host_backend(self, fn: str) -> BaseBackend:
+        """Return the backend for a call on host arrays, or raise if the group has none."""
+        if not self.host_ok:
+            raise TypeError(
+                f"{fn}: process group {self.group_name} has backend {self.backend_name}, which takes CUDA "
+                "arrays only; got a host array (numpy or CPU tensor); create the group with "
+                "backend='cpu:mpi,cuda:nccl' to use both"
+            )
+        return self.impl
 
     def rank(self) -> int:
         """Return this process's rank in the group."""
@@ -64,6 +90,8 @@ class ProcessGroup:
         if self.destroyed:
             return
         self.destroyed = True
+        if self.device_impl is not None and self.device_impl is not self.impl:
+            self.device_impl.shutdown()
         self.impl.shutdown()
         self.control.shutdown()
         if self._comm is not None and not (self.impl.pending() or self.control.pending()):
@@ -101,6 +129,22 @@ class ProcessGroup:
             f"<ProcessGroup {self.group_name!r} backend={self.backend_name} "
             f"ranks={_short(self.ranks)} rank={self.rank()}{state}>"
         )
+
+
+def backend_for(pg: ProcessGroup, fn: str, *arrays: Any) -> BaseBackend:
+    """Return the backend for a call on prepared ``arrays`` (arrays, lists of arrays, or None).
+
+    Host arrays go to the group's host backend; if any array is a device array, the
+    call goes to the group's device backend (NCCL, or MPI CUDA-aware/staged).
+    """
+    for a in arrays:
+        if type(a) is DeviceArray:
+            return pg.device_backend(fn, a)
+        if type(a) is list:
+            for x in a:
+                if type(x) is DeviceArray:
+                    return pg.device_backend(fn, x)
+    return pg.impl if pg.host_ok else pg.host_backend(fn)
 
 
 def _short(ranks: list[int]) -> str:

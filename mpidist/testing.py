@@ -28,7 +28,9 @@ import time
 
 import pytest
 
-__all__ = ["vote", "init_default_group"]
+from ._standin import HostCudaArray
+
+__all__ = ["vote", "init_default_group", "HostCudaArray"]
 
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
 VOTE_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_VOTE_TIMEOUT", "240"))

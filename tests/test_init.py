@@ -12,6 +12,7 @@ import collections
 import importlib.util
 import os
 import re
+import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -512,9 +513,35 @@ def test_unknown_backend(no_group, name):
     )
 
 
-@pytest.mark.parametrize("name", ["cuda:nccl", "CUDA:NCCL", "cuda:mpi"])
-def test_backend_without_cpu_entry(no_group, name):
-    expect_init_value_error(r"names no backend for host \(cpu\) arrays.*'cpu:mpi,cuda:nccl'", backend=name)
+def expect_host_arrays_rejected(name: str) -> None:
+    """A device-only group: host arrays get a TypeError (fast lane included), on every rank."""
+    pattern = (
+        rf"^{{fn}}: process group \S+ has backend {name}, which takes CUDA arrays only; "
+        r"got a host array \(numpy or CPU tensor\).*backend='cpu:mpi,cuda:nccl'"
+    )
+    problems = []
+    for fn, call in (
+        ("all_reduce", lambda: dist.all_reduce(np.ones(2))),
+        ("broadcast", lambda: dist.broadcast(np.ones(2), src=0)),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(np.ones(2 * SIZE), np.ones(2))),
+    ):
+        problems += check_raises(TypeError, pattern.format(fn=fn), call)
+    fail_together(problems)
+
+
+@pytest.mark.parametrize("name", ["cuda:mpi", "CUDA:MPI"])
+def test_cuda_only_mpi_backend_takes_device_arrays_only(no_group, name):
+    from mpidist.testing import HostCudaArray
+
+    init(backend=name)
+    assert dist.group.WORLD.devices == {"cuda": "mpi"}
+    assert dist.get_backend() == "mpi"
+    expect_host_arrays_rejected("mpi")
+    x = HostCudaArray(np.full(3, float(RANK)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time staging warning
+        dist.all_reduce(x)
+    fail_together([] if np.array_equal(x.host, np.full(3, float(sum(range(SIZE))))) else [f"got {x.host}"])
 
 
 @pytest.mark.parametrize("name", ["cpu:", ":mpi", "cpu:mpi,cuda", "cpu:mpi,,cuda:nccl"])
@@ -770,7 +797,9 @@ def test_register_backend_factory_returning_a_non_backend(no_group, registered):
 
 
 def test_registered_backend_without_cpu_device(no_group, registered):
-    expect_init_value_error(r"names no backend for host \(cpu\) arrays", backend=CUDA_ONLY)
+    init(backend=CUDA_ONLY)
+    assert dist.group.WORLD.devices == {"cuda": CUDA_ONLY}
+    expect_host_arrays_rejected(CUDA_ONLY)
 
 
 def test_register_backend_errors(registered):

@@ -94,6 +94,10 @@ class BaseBackend(ABC):
         """True while operations that timed out or were dropped may still be running in the library."""
         return bool(self._stuck)
 
+    def takes(self, arr: Any) -> bool:
+        """True if this backend can run calls on the device array ``arr`` (device backends override)."""
+        return True
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
 

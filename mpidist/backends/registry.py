@@ -10,7 +10,7 @@ from typing import Any, Callable
 from .._world import BackendEntry, world
 from .base import BaseBackend
 
-__all__ = ["Backend", "BackendOptions", "parse_backend", "create_backend", "nccl_importable"]
+__all__ = ["Backend", "BackendOptions", "parse_backend", "create_backend", "nccl_importable", "nccl_available", "nccl_usable"]
 
 
 class Backend(str):
@@ -94,6 +94,29 @@ def nccl_importable() -> bool:
         return False
 
 
+def nccl_available() -> bool:
+    """True if cupy's NCCL bindings load and a GPU is visible (checked once per process)."""
+    if world.nccl_ok is None:
+        ok = False
+        if nccl_importable():
+            try:
+                import cupy
+                from cupy.cuda import nccl  # noqa: F401
+
+                ok = cupy.cuda.runtime.getDeviceCount() > 0
+            except Exception:  # noqa: BLE001 - no driver, no libnccl: not usable
+                ok = False
+        world.nccl_ok = ok
+    return bool(world.nccl_ok)
+
+
+def nccl_usable(arr: Any) -> bool:
+    """True if ``arr`` (a DeviceArray) is GPU memory that NCCL can reach from here."""
+    from .._device import CupyOps
+
+    return isinstance(arr.ops, CupyOps) and nccl_available()
+
+
 _NO_GLOO = (
     "mpidist has no {name} backend: use backend='mpi' (the default), which runs every "
     "collective on host arrays over MPI"
@@ -117,13 +140,13 @@ def parse_backend(backend: Any, fn: str) -> dict[str, str]:
     else:
         name = _known(text, fn)
         entry = world.backends.get(name)
-        devices = entry.devices if entry is not None and not entry.builtin else ("cpu",)
+        devices = entry.devices if entry is not None else ("cpu",)
         mapping = {d: name for d in devices}
-    if "cpu" not in mapping:
-        raise ValueError(
-            f"{fn}: backend {backend!r} names no backend for host (cpu) arrays; "
-            "this version of mpidist runs every collective on host arrays, e.g. 'cpu:mpi,cuda:nccl'"
-        )
+    for device, name in mapping.items():
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"{fn}: backend {backend!r} names device type {device!r}; mpidist knows 'cpu' and 'cuda'")
+        if device not in Backend.backend_capability.get(name, [device]):
+            raise ValueError(f"{fn}: backend {backend!r}: {name} cannot run {device} arrays")
     return mapping
 
 
@@ -168,9 +191,9 @@ def _make_nccl(options: BackendOptions, pg_options: Any) -> BaseBackend:
 
 def register_builtins() -> None:
     """Register the backends that ship with mpidist (idempotent)."""
-    for name, factory in ((Backend.MPI, _make_mpi), (Backend.NCCL, _make_nccl)):
+    for name, factory, devices in ((Backend.MPI, _make_mpi, ("cpu", "cuda")), (Backend.NCCL, _make_nccl, ("cuda",))):
         if name not in world.backends:
-            world.backends[name] = BackendEntry(name, factory, True, ("cpu",), builtin=True)
+            world.backends[name] = BackendEntry(name, factory, True, devices, builtin=True)
 
 
 register_builtins()
