@@ -17,6 +17,7 @@ import numpy as np
 from ._arrays import (
     DTYPES,
     as_array,
+    host_view,
     prepare_inout,
     prepare_input,
     prepare_input_list,
@@ -110,7 +111,7 @@ def broadcast(
         root = src  # root_rank's fast path, written out: broadcast is latency-critical
     else:
         root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    w = impl.fast_broadcast(tensor, root, async_op)
+    w = impl.fast_broadcast(tensor if type(tensor) is np.ndarray else host_view(tensor), root, async_op)
     if w is NotImplemented:
         if impl.rank == root:
             buf, backs = prepare_input(tensor, fn, "tensor"), None
@@ -135,7 +136,7 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     if pg is None:
         return absent(group, "all_reduce")
     impl = pg.impl
-    w = impl.fast_all_reduce(tensor, op, async_op)
+    w = impl.fast_all_reduce(tensor if type(tensor) is np.ndarray else host_view(tensor), op, async_op)
     if w is NotImplemented:
         buf, target = prepare_inout(tensor, "all_reduce", "tensor")
         w = backend_for(pg, "all_reduce", buf).all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
@@ -215,7 +216,7 @@ def all_gather_into_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    w = impl.fast_all_gather_into_tensor(output_tensor, input_tensor, async_op)
+    w = impl.fast_all_gather_into_tensor(host_view(output_tensor), host_view(input_tensor), async_op)
     if w is NotImplemented:
         out, target = prepare_output(output_tensor, fn, "output_tensor")
         inp = prepare_input(input_tensor, fn, "input_tensor")
@@ -343,7 +344,7 @@ def reduce_scatter_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    w = impl.fast_reduce_scatter_tensor(output, input, op, async_op)
+    w = impl.fast_reduce_scatter_tensor(host_view(output), host_view(input), op, async_op)
     if w is NotImplemented:
         out, target = prepare_output(output, fn, "output")
         inp = prepare_input(input, fn, "input")
@@ -404,7 +405,7 @@ def all_to_all_single(
         return absent(group, fn)
     impl = pg.impl
     if output_split_sizes is None and input_split_sizes is None:
-        w = impl.fast_all_to_all_single(output, input, async_op)
+        w = impl.fast_all_to_all_single(host_view(output), host_view(input), async_op)
         if w is not NotImplemented:
             if w is not None:
                 w._outputs = [output]
