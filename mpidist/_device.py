@@ -243,6 +243,8 @@ class HostOps(DeviceOps):
 
     def divide(self, arr: DeviceArray, n: int) -> None:
         v = self.view(arr)
+        if v.dtype.kind == "c" and arr.c_contiguous:
+            v = v.view(v.real.dtype)  # per component, as MPI's host path rounds it
         if v.dtype.kind in "iu":
             v[...] = np.trunc(v / n).astype(v.dtype) if v.dtype.kind == "i" else v // n
         else:
@@ -320,6 +322,8 @@ class CupyOps(DeviceOps):
     def divide(self, arr: DeviceArray, n: int) -> None:
         with self.cp.cuda.Device(arr.device):
             d = self._arith(arr, "AVG")
+            if d.dtype.kind == "c" and arr.c_contiguous:
+                d = d.view(d.real.dtype)  # per component, as MPI's host path rounds it
             if d.dtype.kind == "i":
                 d[...] = self.cp.trunc(d / n).astype(d.dtype)
             elif d.dtype.kind == "u":

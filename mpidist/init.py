@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._boot import launched_by_mpi, mpi_initialized, start_mpi
 from ._world import world
-from .backends.registry import Backend, nccl_importable, parse_backend
+from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend
 from .debug import set_debug_level_from_env
 from .errors import DistBackendError
 from .groups import make_group, timeout_arg
@@ -361,7 +361,7 @@ def is_backend_available(backend: str) -> bool:
     if name == Backend.MPI:
         return is_mpi_available()
     if name == Backend.NCCL:
-        return False  # arrives with device-array support
+        return nccl_available()  # cupy's NCCL bindings and a GPU
     entry = world.backends.get(name)
     return entry is not None and not entry.builtin
 

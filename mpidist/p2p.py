@@ -9,6 +9,7 @@ any rank and returns the sender's global rank.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, Callable
 
@@ -188,11 +189,18 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             buf, target = prepare_output(p.tensor, where, "tensor")
             prepared.append((False, buf, target, p, tag))
     works = []
-    for is_send, buf, target, p, tag in prepared:
-        if is_send:
-            w = backend_for(pg, fn, buf).send(buf, p.group_peer, tag)
-        else:
-            w = backend_for(pg, fn, buf).recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
-        w._outputs = [p.tensor]
-        works.append(w)
+    with contextlib.ExitStack() as batch:
+        coalesced: set[int] = set()
+        for is_send, buf, target, p, tag in prepared:
+            backend = backend_for(pg, fn, buf)
+            coalescing = getattr(backend, "coalescing", None)  # NCCL: one group of sends and receives
+            if coalescing is not None and id(backend) not in coalesced:
+                coalesced.add(id(backend))
+                batch.enter_context(coalescing())
+            if is_send:
+                w = backend.send(buf, p.group_peer, tag)
+            else:
+                w = backend.recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
+            w._outputs = [p.tensor]
+            works.append(w)
     return works

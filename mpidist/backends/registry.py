@@ -183,9 +183,18 @@ def _make_mpi(options: BackendOptions, pg_options: Any) -> BaseBackend:
 
 
 def _make_nccl(options: BackendOptions, pg_options: Any) -> BaseBackend:
-    raise ValueError(
-        "the nccl backend needs device-array support, which this version of mpidist does "
-        "not have yet; use backend='mpi' for host arrays"
+    """Build the group's NCCL backend (collective over the group's ranks).
+
+    ``pg_options`` may be torch-style options with ``is_high_priority_stream``.
+    """
+    from . import nccl
+
+    return nccl.NCCLBackend(
+        options.comm,
+        options.timeout.total_seconds(),
+        options.group_id,
+        global_ranks=options.global_ranks_in_group,
+        high_priority=bool(getattr(pg_options, "is_high_priority_stream", False)),
     )
 
 

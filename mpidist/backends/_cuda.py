@@ -1,0 +1,346 @@
+"""The CUDA runtime and NCCL as the nccl backend sees them: one small adapter object.
+
+Everything :mod:`mpidist.backends.nccl` asks of CUDA (devices, streams, events,
+device-side copies and arithmetic on a given stream) and of NCCL (the module
+with ``NcclCommunicator``, ``groupStart``/``groupEnd``, ``get_version``,
+``get_unique_id``) goes through a :class:`CudaRuntime`. :meth:`CudaRuntime.from_cupy`
+builds the real one over ``cupy.cuda`` and ``cupy.cuda.nccl``; tests subclass it
+with a fake NCCL whose calls run over MPI on host memory, and fake streams and
+events, so every line of the backend runs on a machine without a GPU.
+
+Streams are passed around as integer handles (``cudaStream_t`` values; 1 and 2 are
+CUDA's legacy and per-thread default streams, as in ``__cuda_array_interface__``),
+events as opaque objects that only the runtime looks into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from .._device import BFLOAT16, CupyOps, DeviceArray, DeviceOps
+from .._world import world
+from ..errors import DistBackendError
+from ..work import poll
+
+__all__ = [
+    "CudaRuntime",
+    "UID_BYTES",
+    "uid_bytes",
+    "uid_tuple",
+    "make_communicator",
+    "parse_version",
+    "choose_device",
+    "share_unique_id",
+    "bfloat16_apply",
+]
+
+#: NCCL_UNIQUE_ID_BYTES (nccl.h)
+UID_BYTES = 128
+#: broadcasts of unique ids that timed out (their buffers must outlive them)
+_UNFINISHED: list[Any] = []
+
+
+def uid_bytes(uid: Any) -> bytes:
+    """Return an NCCL unique id as 128 bytes, whichever form cupy returned.
+
+    cupy >= 14 returns ``bytes``; older versions a tuple of 128 ints (C ``char``
+    values, so -128..127, or 0..255 on platforms where ``char`` is unsigned).
+
+    Raises:
+        TypeError: ``uid`` is neither form, or not 128 long.
+    """
+    if isinstance(uid, (bytes, bytearray)):
+        data = bytes(uid)
+    elif isinstance(uid, (tuple, list)) and all(isinstance(c, int) and -128 <= c <= 255 for c in uid):
+        data = bytes(c & 0xFF for c in uid)
+    else:
+        raise TypeError(f"nccl: get_unique_id returned {type(uid).__name__}; expected bytes or a tuple of ints")
+    if len(data) != UID_BYTES:
+        raise TypeError(f"nccl: the unique id has {len(data)} bytes, expected {UID_BYTES}")
+    return data
+
+
+def uid_tuple(data: bytes) -> tuple[int, ...]:
+    """Return 128 bytes as the tuple of signed ``char`` values that cupy < 14 takes."""
+    return tuple(b - 256 if b > 127 else b for b in data)
+
+
+def make_communicator(ctor: Callable[..., Any], size: int, uid: bytes, rank: int) -> Any:
+    """Call ``NcclCommunicator(size, uid, rank)`` with the unique id in the form this cupy takes.
+
+    cupy >= 14 declares the id as ``bytes``, older versions as ``tuple``; a Cython
+    argument of the wrong type raises TypeError before anything happens, so the
+    other form is tried then.
+    """
+    try:
+        return ctor(size, uid, rank)
+    except TypeError as first:
+        try:
+            return ctor(size, uid_tuple(uid), rank)
+        except TypeError:
+            raise first from None
+
+
+def parse_version(code: int) -> tuple[int, int, int]:
+    """Return ``(major, minor, patch)`` of an ``ncclGetVersion`` code.
+
+    NCCL encodes 2.8.4 as 2804 and, from 2.9 on, 2.19.3 as 21903.
+    """
+    code = int(code)
+    if code >= 10000:
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+class CudaRuntime:
+    """The CUDA and NCCL operations of the nccl backend, over cupy.
+
+    Args:
+        cupy: the ``cupy`` module.
+        nccl: the ``cupy.cuda.nccl`` module (or anything with its API).
+        ops: the device ops used for temporaries (allocation); by default
+            ``CupyOps(cupy)``.
+    """
+
+    def __init__(self, cupy: Any, nccl: Any, ops: DeviceOps | None = None) -> None:
+        self.cp = cupy
+        self.nccl = nccl
+        self.ops = ops if ops is not None else CupyOps(cupy)
+
+    @classmethod
+    def from_cupy(cls) -> CudaRuntime:
+        """Return the runtime over the installed cupy (and its NCCL bindings).
+
+        Raises:
+            RuntimeError: cupy or its NCCL bindings cannot be loaded.
+        """
+        try:
+            import cupy
+            from cupy.cuda import nccl
+        except ImportError as exc:
+            raise RuntimeError(
+                "the nccl backend needs cupy with NCCL bindings: pip install 'mpidist[gpu]' "
+                f"(cupy-cuda12x and nvidia-nccl-cu12); importing them failed: {exc}"
+            ) from exc
+        if not getattr(nccl, "available", True):
+            raise RuntimeError(
+                "the nccl backend: cupy is installed but cannot load libnccl (pip install nvidia-nccl-cu12)"
+            )
+        from .._world import world
+
+        ops = world.device_ops if isinstance(world.device_ops, CupyOps) else None
+        return cls(cupy, nccl, ops)
+
+    # -- arrays -------------------------------------------------------------------------
+    def takes(self, arr: Any) -> bool:
+        """Return True if ``arr`` is a device array whose memory this runtime reaches."""
+        return type(arr) is DeviceArray and isinstance(arr.ops, CupyOps)
+
+    # -- devices ------------------------------------------------------------------------
+    def device_count(self) -> int:
+        return int(self.cp.cuda.runtime.getDeviceCount())
+
+    def current_device(self) -> int:
+        return int(self.cp.cuda.runtime.getDevice())
+
+    def device_chosen(self) -> bool:
+        """Return True if this thread already uses a device (a CUDA context is current).
+
+        ``torch.cuda.set_device``, ``cupy.cuda.Device(i).use()`` and any allocation
+        make one current; a process that has not touched a GPU has none.
+        """
+        return int(self.cp.cuda.driver.ctxGetCurrent()) != 0
+
+    def set_device(self, device: int) -> None:
+        self.cp.cuda.runtime.setDevice(device)
+
+    def device(self, device: int) -> contextlib.AbstractContextManager[Any]:
+        """A context in which ``device`` is the current device."""
+        return self.cp.cuda.Device(device)
+
+    # -- streams and events -------------------------------------------------------------
+    def new_stream(self, device: int, high_priority: bool = False) -> tuple[int, Any]:
+        """Create a non-blocking stream on ``device``; return ``(handle, owner)``."""
+        cuda = self.cp.cuda
+        with cuda.Device(device):
+            if high_priority:  # CUDA clamps a priority beyond its range to the greatest one
+                stream = cuda.Stream(non_blocking=True, priority=-100)
+            else:
+                stream = cuda.Stream(non_blocking=True)
+        return int(stream.ptr), stream
+
+    def current_stream(self, device: int) -> int:
+        """The handle of cupy's current stream on ``device`` (0: the legacy default stream)."""
+        return int(self.cp.cuda.get_current_stream(device).ptr)
+
+    def new_event(self, device: int) -> Any:
+        with self.cp.cuda.Device(device):
+            return self.cp.cuda.Event(block=False, disable_timing=True)
+
+    def record(self, event: Any, stream: int) -> None:
+        self.cp.cuda.runtime.eventRecord(event.ptr, stream)
+
+    def wait_event(self, stream: int, event: Any) -> None:
+        """Make future work on ``stream`` wait for ``event`` (the host does not wait)."""
+        self.cp.cuda.runtime.streamWaitEvent(stream, event.ptr, 0)
+
+    def query(self, event: Any) -> bool:
+        """Return True once the work before ``event`` has finished."""
+        done = event.done
+        return bool(done() if callable(done) else done)
+
+    # -- device-side work on a stream -----------------------------------------------------
+    @contextlib.contextmanager
+    def on_stream(self, stream: int, device: int) -> Iterator[None]:
+        """Run cupy operations issued inside the block on ``stream``."""
+        with self.cp.cuda.ExternalStream(stream, device):
+            yield
+
+    def copy(self, dst: DeviceArray, src: DeviceArray, stream: int) -> None:
+        """Enqueue ``dst[...] = src`` (same number of elements, any strides) on ``stream``."""
+        ops = _cupy_ops(dst)
+        with self.on_stream(stream, dst.device):
+            ops.wrap(dst)[...] = ops.wrap(src).reshape(dst.shape)
+
+    def scale(self, arr: DeviceArray, factor: Any, stream: int) -> None:
+        """Enqueue ``arr *= factor`` on ``stream`` (bfloat16 through float32, rounded to nearest even)."""
+        if arr.dtype == BFLOAT16:
+            self._bfloat16(arr, stream, lambda f: f * np.float32(factor))
+            return
+        with self.on_stream(stream, arr.device):
+            arr.ops.scale(arr, factor)
+
+    def divide(self, arr: DeviceArray, n: int, stream: int) -> None:
+        """Enqueue AVG's division on ``stream``: true division, integers truncated toward zero."""
+        if arr.dtype == BFLOAT16:
+            self._bfloat16(arr, stream, lambda f: f / np.float32(n))
+            return
+        with self.on_stream(stream, arr.device):
+            arr.ops.divide(arr, n)
+
+    def _bfloat16(self, arr: DeviceArray, stream: int, fn: Callable[[Any], Any]) -> None:
+        ops = _cupy_ops(arr)
+        with self.on_stream(stream, arr.device):
+            bits = ops.wrap(arr).view(self.cp.uint16)
+            bits[...] = bfloat16_apply(self.cp, bits, fn)
+
+    # -- NCCL -----------------------------------------------------------------------------
+    def nccl_version(self) -> tuple[int, int, int]:
+        return parse_version(self.nccl.get_version())
+
+    def unique_id(self) -> bytes:
+        """A new NCCL unique id, as 128 bytes."""
+        return uid_bytes(self.nccl.get_unique_id())
+
+    def communicator(self, size: int, uid: bytes, rank: int, comm: Any) -> Any:
+        """Create this rank's NCCL communicator (every rank calls it with the same ``uid``).
+
+        ``comm`` is the group's MPI communicator; NCCL does not need it (adapters
+        that run NCCL's calls over MPI, such as the test fake, do).
+        """
+        return make_communicator(self.nccl.NcclCommunicator, size, uid, rank)
+
+    def group_start(self) -> None:
+        self.nccl.groupStart()
+
+    def group_end(self) -> None:
+        self.nccl.groupEnd()
+
+    def check_async_error(self, nccl_comm: Any) -> None:
+        """Raise NCCL's asynchronous error of ``nccl_comm`` (a peer failed, a network error), if any."""
+        check = getattr(nccl_comm, "check_async_error", None)
+        if check is not None:
+            check()
+
+    def abort(self, nccl_comm: Any) -> None:
+        """Abort ``nccl_comm``: its pending operations end, it cannot be used again."""
+        nccl_comm.abort()
+
+    def destroy(self, nccl_comm: Any) -> None:
+        """Free ``nccl_comm`` after its pending operations."""
+        nccl_comm.destroy()
+
+
+def _node_local_rank(comm: Any) -> int:
+    """This process's rank on its node: LOCAL_RANK, else the world's shared-memory split, else ``comm``'s."""
+    text = os.environ.get("LOCAL_RANK", "").strip()
+    if text.isdigit():
+        return int(text)
+    node_rank = world.init_info.get("node_rank")
+    if node_rank is not None:
+        return int(node_rank)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return int(node.Get_rank())
+    finally:
+        node.Free()
+
+
+def choose_device(rt: CudaRuntime, comm: Any) -> int:
+    """Return the GPU a new NCCL backend uses (see the module docstring), and make it current.
+
+    Raises:
+        RuntimeError: no CUDA device is visible.
+    """
+    count = rt.device_count()
+    if count < 1:
+        raise RuntimeError("the nccl backend: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
+    if rt.device_chosen():
+        return rt.current_device()
+    device = _node_local_rank(comm) % count
+    rt.set_device(device)
+    return device
+
+
+def share_unique_id(rt: CudaRuntime, comm: Any, timeout_s: float, where: str) -> bytes:
+    """Create the NCCL unique id on rank 0 and broadcast it over ``comm`` (bounded by ``timeout_s``).
+
+    The first byte says whether rank 0 could create it, so a failure there is an
+    error on every rank instead of a wait until the timeout.
+    """
+    buf = np.zeros(UID_BYTES + 1, np.uint8)
+    failure: BaseException | None = None
+    if comm.Get_rank() == 0:
+        try:
+            buf[1:] = np.frombuffer(rt.unique_id(), np.uint8)
+            buf[0] = 1
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, raised here below
+            failure = exc
+    req = comm.Ibcast([buf, MPI.BYTE], root=0)
+    if not poll(req.Test, timeout_s):
+        _UNFINISHED.append((req, buf))  # MPI may still write into buf: never free it
+        raise DistBackendError(
+            f"{where}: rank 0's NCCL unique id did not arrive within the timeout of {timeout_s:g} s; "
+            "every member of the group must create it at the same point"
+        )
+    if failure is not None:
+        raise DistBackendError(f"{where}: NCCL could not create a unique id: {failure}") from failure
+    if buf[0] != 1:
+        raise DistBackendError(f"{where}: rank 0 of the group could not create the NCCL unique id (see its error)")
+    return buf[1:].tobytes()
+
+
+def bfloat16_apply(xp: Any, bits: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to bfloat16 values given as their uint16 bits, in float32; return the result's bits.
+
+    ``xp`` is cupy (or numpy): neither has bfloat16 arithmetic, so the bits are
+    widened to float32 (exact), ``fn`` runs there, and the result is rounded to
+    nearest even (NaN stays NaN).
+    """
+    wide = (bits.astype(xp.uint32) << 16).view(xp.float32)
+    out = xp.asarray(fn(wide), dtype=xp.float32)
+    u = out.view(xp.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+    return xp.where(xp.isnan(out), xp.uint16(0x7FC0), rounded)
+
+
+def _cupy_ops(arr: DeviceArray) -> Any:
+    ops = arr.ops
+    if not isinstance(ops, CupyOps):
+        raise TypeError(f"nccl: {arr!r} is not memory that cupy manages")
+    return ops
