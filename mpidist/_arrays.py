@@ -164,6 +164,8 @@ def _torch_array(t: Any, torch: Any, fn: str, arg: str) -> ndarray | DeviceArray
         return t.numpy()  # the common case; it refuses every case checked below
     except (TypeError, RuntimeError):
         pass
+    if getattr(t, "is_nested", False):
+        raise TypeError(f"{fn}: {arg} is a nested tensor; mpidist sends dense tensors, pass its components one by one")
     if t.layout is not torch.strided:
         raise TypeError(f"{fn}: {arg} is a {t.layout} tensor; mpidist sends dense (strided) tensors, pass t.to_dense()")
     kind = t.device.type
@@ -294,6 +296,15 @@ def prepare_output(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
     return _prepare_writable(x, fn, arg, keep_data=False)
 
 
+def _check_distinct(strides: Sequence[int], shape: Sequence[int], fn: str, arg: str) -> None:
+    """Refuse an output whose elements share memory (stride 0, from expand or broadcast_to)."""
+    if any(st == 0 and n > 1 for st, n in zip(strides, shape)):
+        raise ValueError(
+            f"{fn}: {arg} is an expanded (stride-0) view whose elements share memory; an output needs "
+            "one memory location per element, pass a contiguous array"
+        )
+
+
 def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[Buffer, Buffer | None]:
     if type(x) is ndarray and x.dtype in DTYPES:
         f = x.flags
@@ -304,10 +315,14 @@ def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[Buffe
     if type(a) is DeviceArray:
         if a.readonly:
             raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
-        return (a, None) if a.c_contiguous else (_device_copy(a, keep_data), a)
+        if a.c_contiguous:
+            return a, None
+        _check_distinct(a.strides or (), a.shape, fn, arg)
+        return _device_copy(a, keep_data), a
     _check_writeable(a, fn, arg)
     if a.flags.c_contiguous:
         return a, None
+    _check_distinct(a.strides, a.shape, fn, arg)
     if keep_data:
         return _contiguous_copy(a), a
     tmp = np.empty(a.shape, a.dtype)

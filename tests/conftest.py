@@ -10,6 +10,8 @@ import pytest
 
 import mpidist as dist
 
+from helpers import KINDS, Maker, require_kind
+
 pytest_plugins = ["mpidist.testing"]
 
 
@@ -21,6 +23,19 @@ def rank() -> int:
 @pytest.fixture
 def world_size() -> int:
     return dist.get_world_size()
+
+
+@pytest.fixture(params=KINDS)
+def array_kind(request) -> str:
+    """The kind of array a test passes to mpidist ("numpy", "torch"); skipped if its library is missing."""
+    require_kind(request.param)
+    return request.param
+
+
+@pytest.fixture
+def make(array_kind) -> Maker:
+    """Makes arrays of the test's ``array_kind`` from numpy values (see helpers.Maker)."""
+    return Maker(array_kind)
 
 
 @pytest.fixture

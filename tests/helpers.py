@@ -1,13 +1,18 @@
-"""Shared helpers for the tests: dtype families, deterministic inputs, reference reductions."""
+"""Shared helpers for the tests: dtype families, deterministic inputs, reference reductions,
+and the array kinds (numpy arrays, torch CPU tensors) the same tests run on."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
+from dataclasses import dataclass
 from functools import reduce as _fold
-from typing import Callable
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import mpidist as dist
@@ -92,19 +97,22 @@ def reference(arrays: list[np.ndarray], op) -> np.ndarray:
     return np.asarray(out).astype(dtype)
 
 
-def gather_all(a: np.ndarray, comm: MPI.Comm | None = None) -> list[np.ndarray]:
-    """Collect every rank's copy of ``a`` with raw mpi4py (to compare across ranks)."""
+def gather_all(a: Any, comm: MPI.Comm | None = None) -> list[bytes]:
+    """Collect every rank's copy of ``a`` (an array of any kind) with raw mpi4py (to compare across ranks)."""
     comm = comm or MPI.COMM_WORLD
-    return comm.allgather(np.ascontiguousarray(a).tobytes())
+    values = to_numpy(a) if any(k.owns(a) for k in ARRAY_KINDS.values()) else np.asarray(a)
+    return comm.allgather(np.ascontiguousarray(values).tobytes())
 
 
-def assert_identical_on_all_ranks(a: np.ndarray) -> None:
+def assert_identical_on_all_ranks(a: Any) -> None:
     blobs = gather_all(a)
     assert all(b == blobs[0] for b in blobs), "result differs between ranks"
 
 
-def assert_equal(got: np.ndarray, expected: np.ndarray) -> None:
-    """Exact equality, dtype included (NaN-free inputs)."""
+def assert_equal(got: Any, expected: np.ndarray) -> None:
+    """Exact equality, dtype included (NaN-free inputs); ``got`` may be an array of any kind."""
+    if not isinstance(got, (np.ndarray, np.generic)):
+        got = to_numpy(got)
     assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
     assert got.shape == expected.shape, (got.shape, expected.shape)
     assert np.array_equal(got, expected), f"\n got {got}\n expected {expected}"
@@ -129,3 +137,194 @@ def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> l
     except Exception as e:  # noqa: BLE001 - reported, not swallowed
         return [f"{name}: raised {type(e).__name__}: {e} instead of {exc.__name__}"]
     return [f"{name}: did not raise {exc.__name__}"]
+
+
+# ---------------------------------------------------------------------------------------
+# array kinds: the same tests on numpy arrays and on torch CPU tensors
+# ---------------------------------------------------------------------------------------
+
+
+def sentinel(dtype: Any) -> Any:
+    """A value no test result holds, to fill outputs with (an unwritten output is noticed)."""
+    k = kind(np.dtype(dtype))
+    return {"b": True, "i": -99, "u": 99, "f": -99.0, "c": -99 - 99j}[k]
+
+
+_torch_ready = False
+
+
+def _torch() -> Any:
+    """The torch module, set up once for tests: one intra-op thread (up to 4 ranks share 2 cores)."""
+    global _torch_ready
+    torch = importlib.import_module("torch")
+    if not _torch_ready:
+        torch.set_num_threads(1)
+        _torch_ready = True
+    return torch
+
+
+def _shareable(a: np.ndarray) -> bool:
+    """Whether torch.from_numpy can wrap ``a`` without a copy (no negative strides, writeable)."""
+    return a.flags.writeable and all(s >= 0 for s in a.strides)
+
+
+def _torch_from_numpy(a: np.ndarray) -> Any:
+    torch = _torch()
+    if not _shareable(a):  # torch has no negative strides; read-only memory must not be wrapped
+        a = np.array(a, order="C", copy=True)
+    if a.dtype == BF16:  # torch.from_numpy knows no bfloat16: wrap the bits, reinterpret in torch
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _torch_to_numpy(t: Any) -> np.ndarray:
+    """A copy of a tensor's values as numpy, read through torch itself (not mpidist's int16 trick)."""
+    torch = _torch()
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dtype == torch.bfloat16:  # bfloat16 -> float32 is exact, and so is the way back
+        return t.to(torch.float32).numpy().astype(BF16)
+    return np.array(t.numpy(), copy=True)
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_reverse_axes(t: Any) -> Any:
+    return t.permute(*reversed(range(t.dim())))
+
+
+@dataclass(frozen=True)
+class ArrayKind:
+    """How the tests make, read and reshape one kind of array.
+
+    A new kind (a device stand-in, cupy, ...) is one more entry in :data:`ARRAY_KINDS`.
+    """
+
+    name: str
+    requires: str | None  # the module that must import, or the kind is skipped
+    setup: Callable[[], Any] | None  # run once the module imports (e.g. torch's thread count)
+    from_numpy: Callable[[np.ndarray], Any]  # shares memory where it can
+    to_numpy: Callable[[Any], np.ndarray]
+    owns: Callable[[Any], bool]  # is this object an array of this kind
+    reverse_axes: Callable[[Any], Any]  # a transposed (non-contiguous) view
+    negative_strides: bool  # can views step backwards (x[::-1])
+
+
+ARRAY_KINDS: dict[str, ArrayKind] = {
+    k.name: k
+    for k in (
+        ArrayKind(
+            name="numpy",
+            requires=None,
+            setup=None,
+            from_numpy=lambda a: a,
+            to_numpy=lambda a: a,
+            owns=lambda x: isinstance(x, np.ndarray),
+            reverse_axes=np.transpose,
+            negative_strides=True,
+        ),
+        ArrayKind(
+            name="torch",
+            requires="torch",
+            setup=_torch,
+            from_numpy=_torch_from_numpy,
+            to_numpy=_torch_to_numpy,
+            owns=_is_torch,
+            reverse_axes=_torch_reverse_axes,
+            negative_strides=False,
+        ),
+    )
+}
+
+#: the array kinds every array test runs on (the ``array_kind`` fixture's params)
+KINDS: list[str] = list(ARRAY_KINDS)
+
+
+def require_kind(kind_name: str) -> ArrayKind:
+    """Return the kind, or skip the test when its library is not installed."""
+    k = ARRAY_KINDS[kind_name]
+    if k.requires is not None:
+        pytest.importorskip(k.requires)
+    if k.setup is not None:
+        k.setup()
+    return k
+
+
+def kind_of(x: Any) -> ArrayKind:
+    for k in ARRAY_KINDS.values():
+        if k.owns(x):
+            return k
+    raise TypeError(f"not an array of a known kind: {type(x).__module__}.{type(x).__qualname__}")
+
+
+def to_kind(a: np.ndarray, kind_name: str) -> Any:
+    """``a`` as an array of kind ``kind_name``, sharing its memory where that kind can.
+
+    numpy: ``a`` itself. torch: ``torch.from_numpy`` (bfloat16 as its int16 bits viewed
+    as torch.bfloat16); arrays with negative strides or read-only memory are copied.
+    Shared memory means a collective that writes the result writes ``a`` too: build
+    references from fresh values (``rank_input``), or pass ``a.copy()``.
+    """
+    return ARRAY_KINDS[kind_name].from_numpy(np.asarray(a))
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """The values of an array of any kind, as numpy with the numpy dtype (bfloat16: ml_dtypes).
+
+    A numpy array is returned as it is; a tensor is copied (without autograd).
+    """
+    return kind_of(x).to_numpy(x)
+
+
+def reverse_axes(x: Any) -> Any:
+    """The view of ``x`` with its axes reversed (``x.T``), for any kind."""
+    return kind_of(x).reverse_axes(x)
+
+
+def filled(shape: tuple[int, ...], dtype: Any, value: Any) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    out[...] = value
+    return out
+
+
+class Maker:
+    """Builds the arrays of one kind that a test passes to mpidist, from numpy values.
+
+    ``make(a)`` converts (sharing ``a``'s memory, see :func:`to_kind`); ``make.input`` is
+    :func:`rank_input` of that kind; ``make.empty`` an output filled with the :func:`sentinel`;
+    ``make.strided`` a non-contiguous view of a bigger array of that kind.
+    """
+
+    def __init__(self, kind_name: str) -> None:
+        self.kind = require_kind(kind_name)
+        self.name = kind_name
+
+    def __call__(self, a: Any) -> Any:
+        return to_kind(np.asarray(a), self.name)
+
+    def input(self, rank: int, shape: tuple[int, ...], dtype: Any, salt: int = 0) -> Any:
+        return self(rank_input(rank, shape, np.dtype(dtype), salt))
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self(filled(shape, dtype, sentinel(dtype)))
+
+    def zeros(self, shape: Any, dtype: Any = np.float64) -> Any:
+        return self(np.zeros(shape, dtype))
+
+    def strided(self, a: np.ndarray, fill: Any = None) -> tuple[Any, Any]:
+        """``(view, base)``: a non-contiguous view holding ``a``'s values (every other element of
+        the last axis of ``base``, made as this kind and sliced as this kind); the gaps hold
+        ``fill`` (the sentinel by default)."""
+        a = np.asarray(a)
+        if a.ndim == 0:
+            raise ValueError("strided: a 0-d array has no axis to stride along")
+        base = filled((*a.shape[:-1], 2 * a.shape[-1]), a.dtype, sentinel(a.dtype) if fill is None else fill)
+        base[..., ::2] = a
+        kbase = self(base)
+        return kbase[..., ::2], kbase

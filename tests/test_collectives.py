@@ -4,6 +4,10 @@ Every test is SPMD and runs at any world size (1 to 4 in CI). Tests that loop
 over roots or cases collect their comparisons in a :class:`Checks` object and
 assert at the end, so that a wrong result on one rank never leaves the other
 ranks waiting in the next collective of the loop.
+
+Tests that take the ``make`` fixture run once per array kind (numpy arrays and
+torch CPU tensors, see ``helpers.KINDS``): they pass arrays of that kind to
+mpidist and read the results back from those very objects (``helpers.to_numpy``).
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ from mpidist.backends.mpi import type_table
 
 from helpers import (
     ALL_DTYPES,
+    ARRAY_KINDS,
     BF16,
     FAMILIES,
+    Maker,
     assert_equal,
     assert_identical_on_all_ranks,
     gather_all,
     kind,
     rank_input,
     reference,
+    reverse_axes,
+    sentinel,
+    to_numpy,
 )
 
 R = dist.ReduceOp
@@ -56,7 +65,7 @@ class Checks:
         if not cond:
             self.failures.append(what)
 
-    def identical(self, what: str, a: np.ndarray) -> None:
+    def identical(self, what: str, a: Any) -> None:
         """Record whether ``a`` is bitwise identical on every rank (a collective on COMM_WORLD)."""
         blobs = gather_all(a)
         if not all(b == blobs[0] for b in blobs):
@@ -78,18 +87,6 @@ def copies() -> int:
 def inputs_of(n: int, shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> list[np.ndarray]:
     """Every rank's ``rank_input`` (what the reference reductions are built from)."""
     return [rank_input(r, shape, dtype, salt) for r in range(n)]
-
-
-def empty_like_dtype(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An output array filled with a sentinel, so that an unwritten output is noticed."""
-    out = np.empty(shape, dtype)
-    out[...] = sentinel(dtype)
-    return out
-
-
-def sentinel(dtype: np.dtype) -> Any:
-    k = kind(np.dtype(dtype))
-    return {"b": True, "i": -99, "u": 99, "f": -99.0, "c": -99 - 99j}[k]
 
 
 # Reductions valid for each dtype kind (from the spec and the ReduceOp docs), by name.
@@ -149,39 +146,57 @@ FAM_PARAMS = [pytest.param(f, id=f) for f in FAMILIES]
 DTYPE_PARAMS = [pytest.param(dt, id=dt.name) for dt in ALL_DTYPES]
 
 
-# Non-contiguous layouts: (base shape for a view of ``shape``, the view of a base).
-LAYOUTS: dict[str, tuple[Callable[[tuple[int, ...]], tuple[int, ...]], Callable[[np.ndarray], np.ndarray]]] = {
+# Non-contiguous layouts: (base shape for a view of ``shape``, the view of a base of any kind).
+LAYOUTS: dict[str, tuple[Callable[[tuple[int, ...]], tuple[int, ...]], Callable[[Any], Any]]] = {
     "strided": (lambda s: (2 * s[0], *s[1:]), lambda b: b[::2]),
-    "transposed": (lambda s: tuple(reversed(s)), lambda b: b.T),
+    "transposed": (lambda s: tuple(reversed(s)), reverse_axes),
     "negative": (lambda s: s, lambda b: b[::-1]),
 }
 LAYOUT_PARAMS = [pytest.param(k, id=k) for k in LAYOUTS]
 
 
-class Views:
-    """Makes non-contiguous views of fresh base arrays and checks that nothing outside them changed."""
+def layout_exists(layout: str, kind_name: str) -> bool:
+    """Whether arrays of this kind can be views of this layout (torch has no negative strides)."""
+    return layout != "negative" or ARRAY_KINDS[kind_name].negative_strides
 
-    def __init__(self, layout: str, checks: Checks) -> None:
+
+def is_c_contiguous(x: Any) -> bool:
+    return bool(x.flags.c_contiguous) if isinstance(x, np.ndarray) else bool(x.is_contiguous())
+
+
+class Views:
+    """Makes non-contiguous views of fresh base arrays and checks that nothing outside them changed.
+
+    The base is made as an array of ``make``'s kind and the view is taken of that
+    object, so the test passes mpidist a genuine non-contiguous array of that kind.
+    """
+
+    def __init__(self, layout: str, checks: Checks, make: Maker | None = None) -> None:
         self.layout = layout
         self.base_shape, self.view_of = LAYOUTS[layout]
         self.checks = checks
-        self.made: list[tuple[np.ndarray, np.ndarray]] = []
+        self.make = make or Maker("numpy")
+        self.made: list[tuple[Any, np.ndarray]] = []
 
-    def __call__(self, shape: tuple[int, ...], dtype: Any, data: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, shape: tuple[int, ...], dtype: Any, data: np.ndarray | None = None) -> Any:
         dtype = np.dtype(dtype)
         base = np.empty(self.base_shape(shape), dtype)
         base[...] = sentinel(dtype)
-        v = self.view_of(base)
-        assert v.shape == tuple(shape)
-        self.checks.true(f"view of shape {shape} should be non-contiguous", not v.flags.c_contiguous)
         if data is not None:
-            v[...] = data
-        self.made.append((base, base.copy()))
+            self.view_of(base)[...] = data
+        before = base.copy()
+        kbase = self.make(base)
+        v = self.view_of(kbase)
+        assert tuple(v.shape) == tuple(shape)
+        self.checks.true(f"view of shape {shape} should be non-contiguous", not is_c_contiguous(v))
+        self.checks.equal(f"view of shape {shape} holds its data", v, self.view_of(before))
+        self.made.append((kbase, before))
         return v
 
     def check_outside(self) -> None:
         """Elements of a base outside its view must be what they were when the view was made."""
-        for i, (base, before) in enumerate(self.made):
+        for i, (kbase, before) in enumerate(self.made):
+            base = to_numpy(kbase)
             expected = before.copy()
             self.view_of(expected)[...] = self.view_of(base)
             self.checks.equal(f"base {i} outside its view", base, expected)
@@ -200,28 +215,28 @@ def flatten(xs: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_broadcast_every_src(fam, rank, world_size, checks):
+def test_broadcast_every_src(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     for src in range(world_size):
-        x = rank_input(rank, SHAPE, dtype, salt=src)
+        x = make.input(rank, SHAPE, dtype, salt=src)
         assert dist.broadcast(x, src=src) is None
         checks.equal(f"src={src}", x, rank_input(src, SHAPE, dtype, salt=src))
         checks.identical(f"src={src}", x)
     checks.done()
 
 
-def test_broadcast_group_src(rank, world_size, checks):
+def test_broadcast_group_src(make, rank, world_size, checks):
     for src in range(world_size):
-        x = rank_input(rank, SHAPE, np.dtype(np.int64), salt=src + 10)
+        x = make.input(rank, SHAPE, np.int64, salt=src + 10)
         dist.broadcast(x, group_src=src)
         checks.equal(f"group_src={src}", x, rank_input(src, SHAPE, np.dtype(np.int64), salt=src + 10))
     checks.done()
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-def test_broadcast_every_dtype(dtype, rank, world_size):
+def test_broadcast_every_dtype(dtype, make, rank, world_size):
     src = world_size - 1
-    x = rank_input(rank, (5,), dtype, salt=3)
+    x = make.input(rank, (5,), dtype, salt=3)
     dist.broadcast(x, src=src)
     assert_identical_on_all_ranks(x)
     assert_equal(x, rank_input(src, (5,), dtype, salt=3))
@@ -233,9 +248,9 @@ def test_broadcast_every_dtype(dtype, rank, world_size):
 
 
 @pytest.mark.parametrize(("fam", "opname"), VALID_CASES)
-def test_all_reduce_ops(fam, opname, rank, world_size):
+def test_all_reduce_ops(fam, opname, make, rank, world_size):
     dtype = FAMILIES[fam]
-    x = rank_input(rank, SHAPE, dtype, salt=1)
+    x = make.input(rank, SHAPE, dtype, salt=1)
     assert dist.all_reduce(x, op=make_op(opname)) is None
     expected = reference(inputs_of(world_size, SHAPE, dtype, 1), ref_op(opname))
     assert_identical_on_all_ranks(x)
@@ -243,25 +258,25 @@ def test_all_reduce_ops(fam, opname, rank, world_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-def test_all_reduce_sum_every_dtype(dtype, rank, world_size):
-    x = rank_input(rank, (7,), dtype, salt=2)
+def test_all_reduce_sum_every_dtype(dtype, make, rank, world_size):
+    x = make.input(rank, (7,), dtype, salt=2)
     dist.all_reduce(x)  # default op: SUM
     assert_identical_on_all_ranks(x)
     assert_equal(x, reference(inputs_of(world_size, (7,), dtype, 2), R.SUM))
 
 
-def test_all_reduce_premul_factor_read_at_call_time(rank, world_size):
-    factor = np.array([2.0])
+def test_all_reduce_premul_factor_read_at_call_time(make, rank, world_size):
+    factor = make(np.array([2.0]))
     op = dist.make_premul_sum(factor)
     factor[0] = 4.0
-    x = rank_input(rank, (4,), np.dtype(np.float32))
+    x = make.input(rank, (4,), np.float32)
     dist.all_reduce(x, op=op)
     assert_equal(x, reference(inputs_of(world_size, (4,), np.dtype(np.float32)), dist.make_premul_sum(4.0)))
 
 
-def test_all_reduce_avg_integer_truncates_toward_zero(rank, world_size):
+def test_all_reduce_avg_integer_truncates_toward_zero(make, rank, world_size):
     # rank r holds -(r + 1) and r + 1: the sums are -n(n+1)/2 and n(n+1)/2
-    x = np.array([-(rank + 1), rank + 1, -1 if rank == 0 else 0], np.int32)
+    x = make(np.array([-(rank + 1), rank + 1, -1 if rank == 0 else 0], np.int32))
     dist.all_reduce(x, op=R.AVG)
     s = world_size * (world_size + 1) // 2
     q = s // world_size  # truncation of a positive quotient
@@ -269,14 +284,14 @@ def test_all_reduce_avg_integer_truncates_toward_zero(rank, world_size):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.complex64), np.dtype(np.complex128)], ids=["complex64", "complex128"])
-def test_all_reduce_avg_complex_divides_each_component(dtype, rank, world_size):
+def test_all_reduce_avg_complex_divides_each_component(dtype, make, rank, world_size):
     """AVG of complex arrays is sum / n, correctly rounded in each component, like AVG of real arrays.
 
     Rank 0 holds the whole sum (7 + 1j, 1 + 7j, 10 + 20j), the other ranks zeros; at sizes
     that are not powers of two the quotient is inexact and must round like float division.
     """
     vals = np.array([7 + 1j, 1 + 7j, 10 + 20j])
-    x = (vals if rank == 0 else np.zeros(3)).astype(dtype)
+    x = make((vals if rank == 0 else np.zeros(3)).astype(dtype))
     dist.all_reduce(x, op=R.AVG)
     real = np.dtype(np.float32 if dtype == np.complex64 else np.float64)
     expected = np.empty(3, dtype)
@@ -286,11 +301,11 @@ def test_all_reduce_avg_complex_divides_each_component(dtype, rank, world_size):
 
 
 @pytest.mark.parametrize(("fam", "opname"), VALID_CASES)
-def test_reduce_every_dst(fam, opname, rank, world_size, checks):
+def test_reduce_every_dst(fam, opname, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     expected = reference(inputs_of(world_size, SHAPE, dtype, 4), ref_op(opname))
     for dst in range(world_size):
-        x = rank_input(rank, SHAPE, dtype, salt=4)
+        x = make.input(rank, SHAPE, dtype, salt=4)
         assert dist.reduce(x, dst=dst, op=make_op(opname)) is None
         if rank == dst:
             checks.equal(f"dst={dst} (result)", x, expected)
@@ -299,11 +314,11 @@ def test_reduce_every_dst(fam, opname, rank, world_size, checks):
     checks.done()
 
 
-def test_reduce_group_dst(rank, world_size, checks):
+def test_reduce_group_dst(make, rank, world_size, checks):
     dtype = np.dtype(np.int64)
     expected = reference(inputs_of(world_size, SHAPE, dtype, 5), R.MAX)
     for dst in range(world_size):
-        x = rank_input(rank, SHAPE, dtype, salt=5)
+        x = make.input(rank, SHAPE, dtype, salt=5)
         dist.reduce(x, op=R.MAX, group_dst=dst)
         checks.equal(f"group_dst={dst}", x, expected if rank == dst else rank_input(rank, SHAPE, dtype, salt=5))
     checks.done()
@@ -314,9 +329,9 @@ def test_reduce_group_dst(rank, world_size, checks):
 # ---------------------------------------------------------------------------------------
 
 
-def _invalid_calls(dtype: np.dtype, op: Any, n: int) -> list[tuple[str, Callable[[], Any]]]:
-    def a() -> np.ndarray:
-        return rank_input(dist.get_rank(), (2,), dtype)
+def _invalid_calls(dtype: np.dtype, op: Any, n: int, make: Maker) -> list[tuple[str, Callable[[], Any]]]:
+    def a() -> Any:
+        return make.input(dist.get_rank(), (2,), dtype)
 
     return [
         ("all_reduce", lambda: dist.all_reduce(a(), op=op)),
@@ -324,18 +339,18 @@ def _invalid_calls(dtype: np.dtype, op: Any, n: int) -> list[tuple[str, Callable
         ("reduce", lambda: dist.reduce(a(), dst=0, op=op)),
         (
             "reduce_scatter_tensor",
-            lambda: dist.reduce_scatter_tensor(np.empty(2, dtype), np.zeros(2 * n, dtype), op=op),
+            lambda: dist.reduce_scatter_tensor(make.empty((2,), dtype), make.zeros(2 * n, dtype), op=op),
         ),
-        ("reduce_scatter", lambda: dist.reduce_scatter(np.empty(2, dtype), [a() for _ in range(n)], op=op)),
+        ("reduce_scatter", lambda: dist.reduce_scatter(make.empty((2,), dtype), [a() for _ in range(n)], op=op)),
         ("all_reduce_coalesced", lambda: dist.all_reduce_coalesced([a(), a()], op=op)),
     ]
 
 
 @pytest.mark.parametrize(("fam", "opname"), INVALID_CASES)
-def test_invalid_op_for_dtype_raises_before_communicating(fam, opname, rank, world_size, checks):
+def test_invalid_op_for_dtype_raises_before_communicating(fam, opname, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     op = make_op(opname)
-    for name, call in _invalid_calls(dtype, op, world_size):
+    for name, call in _invalid_calls(dtype, op, world_size, make):
         try:
             call()
         except ValueError:
@@ -345,11 +360,11 @@ def test_invalid_op_for_dtype_raises_before_communicating(fam, opname, rank, wor
         else:
             checks.failures.append(f"{name}: {opname} on {dtype.name} did not raise")
     # the input is untouched and the group still works (no rank is left inside a collective)
-    x = rank_input(rank, (2,), dtype)
+    x = make.input(rank, (2,), dtype)
     with pytest.raises(ValueError):
         dist.all_reduce(x, op=op)
     checks.equal("input after the error", x, rank_input(rank, (2,), dtype))
-    y = np.array([rank], np.int64)
+    y = make(np.array([rank], np.int64))
     dist.all_reduce(y)
     checks.equal("all_reduce after the errors", y, np.array([world_size * (world_size - 1) // 2], np.int64))
     checks.done()
@@ -358,10 +373,10 @@ def test_invalid_op_for_dtype_raises_before_communicating(fam, opname, rank, wor
 @pytest.mark.parametrize(
     ("fam", "opname"), [("complex", "MAX"), ("float", "BAND"), ("bool", "AVG"), ("int", PREMUL_HALF)]
 )
-def test_invalid_op_error_names_the_function(fam, opname, checks):
+def test_invalid_op_error_names_the_function(fam, opname, make, checks):
     """The ValueError starts with the name of the function the user called (CONVENTIONS: Errors)."""
     dtype = FAMILIES[fam]
-    for name, call in _invalid_calls(dtype, make_op(opname), dist.get_world_size()):
+    for name, call in _invalid_calls(dtype, make_op(opname), dist.get_world_size(), make):
         fn = name.split()[0]
         try:
             call()
@@ -371,8 +386,8 @@ def test_invalid_op_error_names_the_function(fam, opname, checks):
 
 
 @pytest.mark.parametrize("op", [R.UNUSED, R.PREMUL_SUM], ids=["UNUSED", "PREMUL_SUM-without-factor"])
-def test_op_without_meaning_raises_value_error(op, rank, world_size):
-    x = np.ones(3)
+def test_op_without_meaning_raises_value_error(op, make, rank, world_size):
+    x = make(np.ones(3))
     with pytest.raises(ValueError):
         dist.all_reduce(x, op=op)
     with pytest.raises(ValueError):
@@ -390,16 +405,16 @@ def test_op_without_meaning_raises_value_error(op, rank, world_size):
 
 @pytest.mark.parametrize("layout", ["separate", "consecutive"])
 @pytest.mark.parametrize(("fam", "opname"), VALID_CASES)
-def test_reduce_scatter_list_ops(fam, opname, layout, rank, world_size):
+def test_reduce_scatter_list_ops(fam, opname, layout, make, rank, world_size):
     dtype = FAMILIES[fam]
     k = 3
     if layout == "separate":
-        input_list = [rank_input(rank, (k,), dtype, salt=j) for j in range(world_size)]
+        input_list = [make.input(rank, (k,), dtype, salt=j) for j in range(world_size)]
     else:  # views of one buffer, back to back
-        buf = np.concatenate([rank_input(rank, (k,), dtype, salt=j) for j in range(world_size)])
+        buf = make(np.concatenate([rank_input(rank, (k,), dtype, salt=j) for j in range(world_size)]))
         input_list = [buf[j * k : (j + 1) * k] for j in range(world_size)]
-    kept = [a.copy() for a in input_list]
-    out = empty_like_dtype((k,), dtype)
+    kept = [rank_input(rank, (k,), dtype, salt=j) for j in range(world_size)]
+    out = make.empty((k,), dtype)
     assert dist.reduce_scatter(out, input_list, op=make_op(opname)) is None
     expected = reference(inputs_of(world_size, (k,), dtype, rank), ref_op(opname))
     assert_equal(out, expected)
@@ -408,12 +423,12 @@ def test_reduce_scatter_list_ops(fam, opname, layout, rank, world_size):
 
 
 @pytest.mark.parametrize(("fam", "opname"), VALID_CASES)
-def test_reduce_scatter_tensor_ops(fam, opname, rank, world_size):
+def test_reduce_scatter_tensor_ops(fam, opname, make, rank, world_size):
     dtype = FAMILIES[fam]
     k = 4
-    inp = rank_input(rank, (world_size * k,), dtype, salt=6)
-    kept = inp.copy()
-    out = empty_like_dtype((k,), dtype)
+    inp = make.input(rank, (world_size * k,), dtype, salt=6)
+    kept = rank_input(rank, (world_size * k,), dtype, salt=6)
+    out = make.empty((k,), dtype)
     assert dist.reduce_scatter_tensor(out, inp, op=make_op(opname)) is None
     full = reference(inputs_of(world_size, (world_size * k,), dtype, 6), ref_op(opname))
     assert_equal(out, full[rank * k : (rank + 1) * k])
@@ -422,32 +437,32 @@ def test_reduce_scatter_tensor_ops(fam, opname, rank, world_size):
 
 @pytest.mark.parametrize("form", ["concat", "stack", "reduce_scatter_single"])
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_reduce_scatter_tensor_forms(fam, form, rank, world_size):
+def test_reduce_scatter_tensor_forms(fam, form, make, rank, world_size):
     dtype = FAMILIES[fam]
     fn = dist.reduce_scatter_single if form == "reduce_scatter_single" else dist.reduce_scatter_tensor
     if form == "stack":
-        inp = rank_input(rank, (world_size, 2, 3), dtype, salt=7)
+        inp = make.input(rank, (world_size, 2, 3), dtype, salt=7)
         full = reference(inputs_of(world_size, (world_size, 2, 3), dtype, 7), R.SUM)
         expected = full[rank]
     else:
-        inp = rank_input(rank, (world_size * 2, 3), dtype, salt=7)
+        inp = make.input(rank, (world_size * 2, 3), dtype, salt=7)
         full = reference(inputs_of(world_size, (world_size * 2, 3), dtype, 7), R.SUM)
         expected = full[2 * rank : 2 * rank + 2]
-    out = empty_like_dtype((2, 3), dtype)
+    out = make.empty((2, 3), dtype)
     fn(out, inp)
     assert_equal(out, expected)
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_reduce_scatter_list_uneven_sizes(fam, rank, world_size):
+def test_reduce_scatter_list_uneven_sizes(fam, make, rank, world_size):
     """Rank j's output has its own size; input_list[j] has rank j's size on every rank."""
     dtype = FAMILIES[fam]
 
     def size(j: int) -> int:
         return j % 3 + 1
 
-    input_list = [rank_input(rank, (size(j),), dtype, salt=j) for j in range(world_size)]
-    out = empty_like_dtype((size(rank),), dtype)
+    input_list = [make.input(rank, (size(j),), dtype, salt=j) for j in range(world_size)]
+    out = make.empty((size(rank),), dtype)
     dist.reduce_scatter(out, input_list, op=R.SUM)
     assert_equal(out, reference(inputs_of(world_size, (size(rank),), dtype, rank), R.SUM))
 
@@ -463,10 +478,10 @@ def test_reduce_scatter_single_is_reduce_scatter_tensor():
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_gather_list(fam, rank, world_size):
+def test_all_gather_list(fam, make, rank, world_size):
     dtype = FAMILIES[fam]
-    x = rank_input(rank, SHAPE, dtype, salt=8)
-    outs = [empty_like_dtype(SHAPE, dtype) for _ in range(world_size)]
+    x = make.input(rank, SHAPE, dtype, salt=8)
+    outs = [make.empty(SHAPE, dtype) for _ in range(world_size)]
     assert dist.all_gather(outs, x) is None
     for r in range(world_size):
         assert_identical_on_all_ranks(outs[r])
@@ -480,10 +495,10 @@ def _uneven_shape(r: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_gather_list_uneven_sizes(fam, rank, world_size):
+def test_all_gather_list_uneven_sizes(fam, make, rank, world_size):
     dtype = FAMILIES[fam]
-    x = rank_input(rank, _uneven_shape(rank), dtype, salt=9)
-    outs = [empty_like_dtype(_uneven_shape(r), dtype) for r in range(world_size)]
+    x = make.input(rank, _uneven_shape(rank), dtype, salt=9)
+    outs = [make.empty(_uneven_shape(r), dtype) for r in range(world_size)]
     dist.all_gather(outs, x)
     for r in range(world_size):
         assert_equal(outs[r], rank_input(r, _uneven_shape(r), dtype, salt=9))
@@ -491,14 +506,14 @@ def test_all_gather_list_uneven_sizes(fam, rank, world_size):
 
 @pytest.mark.parametrize("form", ["concat", "stack", "all_gather_single"])
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-def test_all_gather_into_tensor_every_dtype(dtype, form, rank, world_size):
+def test_all_gather_into_tensor_every_dtype(dtype, form, make, rank, world_size):
     fn = dist.all_gather_single if form == "all_gather_single" else dist.all_gather_into_tensor
-    x = rank_input(rank, SHAPE, dtype, salt=10)
+    x = make.input(rank, SHAPE, dtype, salt=10)
     parts = inputs_of(world_size, SHAPE, dtype, 10)
     if form == "stack":
-        out, expected = empty_like_dtype((world_size, *SHAPE), dtype), np.stack(parts)
+        out, expected = make.empty((world_size, *SHAPE), dtype), np.stack(parts)
     else:
-        out, expected = empty_like_dtype((world_size * SHAPE[0], SHAPE[1]), dtype), np.concatenate(parts)
+        out, expected = make.empty((world_size * SHAPE[0], SHAPE[1]), dtype), np.concatenate(parts)
     assert fn(out, x) is None
     assert_identical_on_all_ranks(out)
     assert_equal(out, expected)
@@ -510,11 +525,11 @@ def test_all_gather_into_tensor_every_dtype(dtype, form, rank, world_size):
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_gather_every_dst(fam, rank, world_size, checks):
+def test_gather_every_dst(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     for dst in range(world_size):
-        x = rank_input(rank, SHAPE, dtype, salt=dst)
-        glist = [empty_like_dtype(SHAPE, dtype) for _ in range(world_size)] if rank == dst else None
+        x = make.input(rank, SHAPE, dtype, salt=dst)
+        glist = [make.empty(SHAPE, dtype) for _ in range(world_size)] if rank == dst else None
         assert dist.gather(x, glist, dst=dst) is None
         if rank == dst:
             for r in range(world_size):
@@ -524,11 +539,11 @@ def test_gather_every_dst(fam, rank, world_size, checks):
 
 
 @pytest.mark.parametrize("how", ["default", "dst=0", "group_dst", "empty-list-elsewhere"])
-def test_gather_root_arguments(how, rank, world_size, checks):
+def test_gather_root_arguments(how, make, rank, world_size, checks):
     dtype = np.dtype(np.int32)
     root = 0 if how in ("default", "dst=0") else world_size - 1
-    x = rank_input(rank, (3,), dtype, salt=11)
-    glist = [empty_like_dtype((3,), dtype) for _ in range(world_size)] if rank == root else None
+    x = make.input(rank, (3,), dtype, salt=11)
+    glist = [make.empty((3,), dtype) for _ in range(world_size)] if rank == root else None
     if how == "default":
         dist.gather(x, glist)
     elif how == "dst=0":
@@ -544,11 +559,11 @@ def test_gather_root_arguments(how, rank, world_size, checks):
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_scatter_every_src(fam, rank, world_size, checks):
+def test_scatter_every_src(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     for src in range(world_size):
-        out = empty_like_dtype(SHAPE, dtype)
-        slist = [rank_input(r, SHAPE, dtype, salt=src + 20) for r in range(world_size)] if rank == src else None
+        out = make.empty(SHAPE, dtype)
+        slist = [make.input(r, SHAPE, dtype, salt=src + 20) for r in range(world_size)] if rank == src else None
         assert dist.scatter(out, slist, src=src) is None
         checks.equal(f"src={src}", out, rank_input(rank, SHAPE, dtype, salt=src + 20))
         if rank == src:
@@ -560,11 +575,11 @@ def test_scatter_every_src(fam, rank, world_size, checks):
 
 
 @pytest.mark.parametrize("how", ["default", "src=0", "group_src", "empty-list-elsewhere"])
-def test_scatter_root_arguments(how, rank, world_size):
+def test_scatter_root_arguments(how, make, rank, world_size):
     dtype = np.dtype(np.float32)
     root = 0 if how in ("default", "src=0") else world_size - 1
-    out = empty_like_dtype((3,), dtype)
-    slist = [rank_input(r, (3,), dtype, salt=12) for r in range(world_size)] if rank == root else None
+    out = make.empty((3,), dtype)
+    slist = [make.input(r, (3,), dtype, salt=12) for r in range(world_size)] if rank == root else None
     if how == "default":
         dist.scatter(out, slist)
     elif how == "src=0":
@@ -604,15 +619,15 @@ def a2a_expected(rank: int, n: int, table: list[list[int]], trailing: tuple[int,
 
 @pytest.mark.parametrize("trailing", [(), (3, 2)], ids=["1d", "rows-3x2"])
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_to_all_single_even(fam, trailing, rank, world_size):
+def test_all_to_all_single_even(fam, trailing, make, rank, world_size):
     dtype = FAMILIES[fam]
     if kind(dtype) == "b":
-        inp = rank_input(rank, (2 * world_size, *trailing), dtype, salt=13)
+        inp = make.input(rank, (2 * world_size, *trailing), dtype, salt=13)
         parts = [rank_input(j, (2 * world_size, *trailing), dtype, salt=13) for j in range(world_size)]
     else:
-        inp = a2a_rows(rank, 2 * world_size, trailing, dtype)
+        inp = make(a2a_rows(rank, 2 * world_size, trailing, dtype))
         parts = [a2a_rows(j, 2 * world_size, trailing, dtype) for j in range(world_size)]
-    out = empty_like_dtype(inp.shape, dtype)
+    out = make.empty(tuple(inp.shape), dtype)
     assert dist.all_to_all_single(out, inp) is None
     expected = np.concatenate([p[2 * rank : 2 * rank + 2] for p in parts])
     assert_equal(out, expected)
@@ -622,37 +637,37 @@ def test_all_to_all_single_even(fam, trailing, rank, world_size):
 @pytest.mark.parametrize(
     "dtype", [np.dtype(np.int64), np.dtype(np.complex128), BF16], ids=["int64", "complex128", "bf16"]
 )
-def test_all_to_all_single_uneven(dtype, trailing, rank, world_size):
+def test_all_to_all_single_uneven(dtype, trailing, make, rank, world_size):
     table = split_table(world_size)
     in_splits = table[rank]
     out_splits = [table[j][rank] for j in range(world_size)]
-    inp = a2a_rows(rank, sum(in_splits), trailing, dtype)
-    out = empty_like_dtype((sum(out_splits), *trailing), dtype)
+    inp = make(a2a_rows(rank, sum(in_splits), trailing, dtype))
+    out = make.empty((sum(out_splits), *trailing), dtype)
     dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
     assert_equal(out, a2a_expected(rank, world_size, table, trailing, dtype))
 
 
-def test_all_to_all_single_input_splits_only(rank, world_size):
+def test_all_to_all_single_input_splits_only(make, rank, world_size):
     # every rank sends j + 1 rows to rank j, so each output splits evenly
     table = [[j + 1 for j in range(world_size)] for _ in range(world_size)]
-    inp = a2a_rows(rank, sum(table[rank]), (2,), np.int32)
-    out = empty_like_dtype((world_size * (rank + 1), 2), np.int32)
+    inp = make(a2a_rows(rank, sum(table[rank]), (2,), np.int32))
+    out = make.empty((world_size * (rank + 1), 2), np.int32)
     dist.all_to_all_single(out, inp, input_split_sizes=table[rank])
     assert_equal(out, a2a_expected(rank, world_size, table, (2,), np.int32))
 
 
-def test_all_to_all_single_output_splits_only(rank, world_size):
+def test_all_to_all_single_output_splits_only(make, rank, world_size):
     # rank j sends j + 1 rows to everyone (an even split of its input)
     table = [[r + 1] * world_size for r in range(world_size)]
-    inp = a2a_rows(rank, world_size * (rank + 1), (2,), np.int32)
-    out = empty_like_dtype((sum(r + 1 for r in range(world_size)), 2), np.int32)
+    inp = make(a2a_rows(rank, world_size * (rank + 1), (2,), np.int32))
+    out = make.empty((sum(r + 1 for r in range(world_size)), 2), np.int32)
     dist.all_to_all_single(out, inp, output_split_sizes=[j + 1 for j in range(world_size)])
     assert_equal(out, a2a_expected(rank, world_size, table, (2,), np.int32))
 
 
-def test_all_to_all_single_empty_split_lists_mean_even(rank, world_size):
-    inp = a2a_rows(rank, world_size, (), np.int64)
-    out = empty_like_dtype((world_size,), np.int64)
+def test_all_to_all_single_empty_split_lists_mean_even(make, rank, world_size):
+    inp = make(a2a_rows(rank, world_size, (), np.int64))
+    out = make.empty((world_size,), np.int64)
     dist.all_to_all_single(out, inp, [], [])
     assert_equal(out, np.array([1000 * j + rank for j in range(world_size)], np.int64))
 
@@ -662,14 +677,14 @@ def _a2a_size(src: int, dst: int) -> int:
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_to_all_lists_uneven(fam, rank, world_size):
+def test_all_to_all_lists_uneven(fam, make, rank, world_size):
     dtype = FAMILIES[fam]
 
     def piece(src: int, dst: int) -> np.ndarray:
         return rank_input(src, (_a2a_size(src, dst), 2), dtype, salt=dst)
 
-    ins = [piece(rank, j) for j in range(world_size)]
-    outs = [empty_like_dtype((_a2a_size(j, rank), 2), dtype) for j in range(world_size)]
+    ins = [make(piece(rank, j)) for j in range(world_size)]
+    outs = [make.empty((_a2a_size(j, rank), 2), dtype) for j in range(world_size)]
     assert dist.all_to_all(outs, ins) is None
     for j in range(world_size):
         assert_equal(outs[j], piece(j, rank))
@@ -729,14 +744,15 @@ COALESCED_SHAPES = [(3,), (2, 2), (), (0,)]
 
 @pytest.mark.parametrize("opname", ["SUM", "order"])
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_reduce_coalesced(fam, opname, rank, world_size):
+def test_all_reduce_coalesced(fam, opname, make, rank, world_size):
     dtype = FAMILIES[fam]
     op = R.SUM if opname == "SUM" else order_op(dtype)
-    tensors = [rank_input(rank, s, dtype, salt=i) for i, s in enumerate(COALESCED_SHAPES)]
+    tensors = [make.input(rank, s, dtype, salt=i) for i, s in enumerate(COALESCED_SHAPES)]
     # one non-contiguous member: a column of a 3x2 array
     holder = np.empty((3, 2), dtype)
     holder[...] = sentinel(dtype)
     holder[:, 0] = rank_input(rank, (3,), dtype, salt=9)
+    holder = make(holder)
     tensors.append(holder[:, 0])
     assert dist.all_reduce_coalesced(tensors, op=op) is None
     for i, s in enumerate(COALESCED_SHAPES):
@@ -746,16 +762,17 @@ def test_all_reduce_coalesced(fam, opname, rank, world_size):
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_gather_coalesced(fam, rank, world_size):
+def test_all_gather_coalesced(fam, make, rank, world_size):
     dtype = FAMILIES[fam]
-    ins = [rank_input(rank, s, dtype, salt=i) for i, s in enumerate(COALESCED_SHAPES)]
-    outs = [[empty_like_dtype(s, dtype) for s in COALESCED_SHAPES] for _ in range(world_size)]
+    ins = [make.input(rank, s, dtype, salt=i) for i, s in enumerate(COALESCED_SHAPES)]
+    outs = [[make.empty(s, dtype) for s in COALESCED_SHAPES] for _ in range(world_size)]
     # a non-contiguous input and non-contiguous outputs (every other element of a buffer)
     holder = np.empty(8, dtype)
     holder[...] = sentinel(dtype)
     holder[::2] = rank_input(rank, (4,), dtype, salt=7)
+    holder = make(holder)
     ins.append(holder[::2])
-    out_holders = [empty_like_dtype((8,), dtype) for _ in range(world_size)]
+    out_holders = [make.empty((8,), dtype) for _ in range(world_size)]
     for r in range(world_size):
         outs[r].append(out_holders[r][::2])
     assert dist.all_gather_coalesced(outs, ins) is None
@@ -888,18 +905,20 @@ NONCONTIG = {
 
 @pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 @pytest.mark.parametrize("coll", list(NONCONTIG))
-def test_non_contiguous_arrays(coll, layout, rank, world_size, checks):
-    v = Views(layout, checks)
+def test_non_contiguous_arrays(coll, layout, make, rank, world_size, checks):
+    if not layout_exists(layout, make.name):
+        pytest.skip(f"{make.name} arrays have no {layout} layout")
+    v = Views(layout, checks, make)
     NONCONTIG[coll](v, rank, world_size, checks)
     v.check_outside()
     checks.done()
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_all_reduce_non_contiguous_every_family(fam, rank, world_size, checks):
+def test_all_reduce_non_contiguous_every_family(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
-    for layout in LAYOUTS:
-        v = Views(layout, checks)
+    for layout in [lay for lay in LAYOUTS if layout_exists(lay, make.name)]:
+        v = Views(layout, checks, make)
         x = v((4, 3), dtype, rank_input(rank, (4, 3), dtype, salt=3))
         dist.all_reduce(x, op=order_op(dtype))
         checks.equal(layout, x, reference(inputs_of(world_size, (4, 3), dtype, 3), order_op(dtype)))
@@ -912,8 +931,8 @@ def test_all_reduce_non_contiguous_every_family(fam, rank, world_size, checks):
 # ---------------------------------------------------------------------------------------
 
 
-def _zc_broadcast(rank: int, n: int, checks: Checks):
-    x = rank_input(rank, (4, 3), F8, salt=1)
+def _zc_broadcast(make: Maker, rank: int, n: int, checks: Checks):
+    x = make.input(rank, (4, 3), F8, salt=1)
     src = n - 1
 
     def run() -> None:
@@ -925,37 +944,37 @@ def _zc_broadcast(rank: int, n: int, checks: Checks):
     return run, check
 
 
-def _zc_all_reduce(rank: int, n: int, checks: Checks):
-    x = rank_input(rank, (4, 3), F8, salt=2)
+def _zc_all_reduce(make: Maker, rank: int, n: int, checks: Checks):
+    x = make.input(rank, (4, 3), F8, salt=2)
     return (lambda: dist.all_reduce(x)), (
         lambda: checks.equal("all_reduce", x, reference(inputs_of(n, (4, 3), F8, 2), R.SUM))
     )
 
 
-def _zc_all_gather_into_tensor(rank: int, n: int, checks: Checks):
-    x = rank_input(rank, (2, 3), F8, salt=3)
-    out = np.zeros((n, 2, 3))
+def _zc_all_gather_into_tensor(make: Maker, rank: int, n: int, checks: Checks):
+    x = make.input(rank, (2, 3), F8, salt=3)
+    out = make.zeros((n, 2, 3))
     return (lambda: dist.all_gather_into_tensor(out, x)), (
         lambda: checks.equal("all_gather_into_tensor", out, np.stack(inputs_of(n, (2, 3), F8, 3)))
     )
 
 
-def _zc_reduce_scatter_tensor(rank: int, n: int, checks: Checks):
-    inp = rank_input(rank, (2 * n, 3), F8, salt=4)
-    out = np.zeros((2, 3))
+def _zc_reduce_scatter_tensor(make: Maker, rank: int, n: int, checks: Checks):
+    inp = make.input(rank, (2 * n, 3), F8, salt=4)
+    out = make.zeros((2, 3))
     full = reference(inputs_of(n, (2 * n, 3), F8, 4), R.SUM)
     return (lambda: dist.reduce_scatter_tensor(out, inp)), (
         lambda: checks.equal("reduce_scatter_tensor", out, full[2 * rank : 2 * rank + 2])
     )
 
 
-def _zc_all_to_all_single(rank: int, n: int, checks: Checks):
+def _zc_all_to_all_single(make: Maker, rank: int, n: int, checks: Checks):
     table = split_table(n)
-    inp = a2a_rows(rank, sum(table[rank]), (3,), F8)
+    inp = make(a2a_rows(rank, sum(table[rank]), (3,), F8))
     out_splits = [table[j][rank] for j in range(n)]
-    out = np.zeros((sum(out_splits), 3))
-    evens = a2a_rows(rank, 2 * n, (3,), F8)
-    eout = np.zeros((2 * n, 3))
+    out = make.zeros((sum(out_splits), 3))
+    evens = make(a2a_rows(rank, 2 * n, (3,), F8))
+    eout = make.zeros((2 * n, 3))
 
     def run() -> None:
         dist.all_to_all_single(out, inp, out_splits, table[rank])
@@ -968,9 +987,9 @@ def _zc_all_to_all_single(rank: int, n: int, checks: Checks):
     return run, check
 
 
-def _zc_all_gather(rank: int, n: int, checks: Checks):
-    x = rank_input(rank, (2, 3), F8, salt=5)
-    outs = [np.zeros((2, 3)) for _ in range(n)]
+def _zc_all_gather(make: Maker, rank: int, n: int, checks: Checks):
+    x = make.input(rank, (2, 3), F8, salt=5)
+    outs = [make.zeros((2, 3)) for _ in range(n)]
 
     def check() -> None:
         for r in range(n):
@@ -979,10 +998,10 @@ def _zc_all_gather(rank: int, n: int, checks: Checks):
     return (lambda: dist.all_gather(outs, x)), check
 
 
-def _zc_gather(rank: int, n: int, checks: Checks):
-    x = rank_input(rank, (2, 3), F8, salt=6)
+def _zc_gather(make: Maker, rank: int, n: int, checks: Checks):
+    x = make.input(rank, (2, 3), F8, salt=6)
     dst = n - 1
-    glist = [np.zeros((2, 3)) for _ in range(n)] if rank == dst else None
+    glist = [make.zeros((2, 3)) for _ in range(n)] if rank == dst else None
 
     def check() -> None:
         if rank == dst:
@@ -992,18 +1011,18 @@ def _zc_gather(rank: int, n: int, checks: Checks):
     return (lambda: dist.gather(x, glist, dst=dst)), check
 
 
-def _zc_scatter(rank: int, n: int, checks: Checks):
-    out = np.zeros((2, 3))
+def _zc_scatter(make: Maker, rank: int, n: int, checks: Checks):
+    out = make.zeros((2, 3))
     src = n - 1
-    slist = [rank_input(r, (2, 3), F8, salt=7) for r in range(n)] if rank == src else None
+    slist = [make.input(r, (2, 3), F8, salt=7) for r in range(n)] if rank == src else None
     return (lambda: dist.scatter(out, slist, src=src)), (
         lambda: checks.equal("scatter", out, rank_input(rank, (2, 3), F8, salt=7))
     )
 
 
-def _zc_all_to_all(rank: int, n: int, checks: Checks):
-    ins = [rank_input(rank, (_a2a_size(rank, j),), F8, salt=j) for j in range(n)]
-    outs = [np.zeros(_a2a_size(j, rank)) for j in range(n)]
+def _zc_all_to_all(make: Maker, rank: int, n: int, checks: Checks):
+    ins = [make.input(rank, (_a2a_size(rank, j),), F8, salt=j) for j in range(n)]
+    outs = [make.zeros(_a2a_size(j, rank)) for j in range(n)]
 
     def check() -> None:
         for j in range(n):
@@ -1026,8 +1045,8 @@ ZERO_COPY = {
 
 
 @pytest.mark.parametrize("coll", list(ZERO_COPY))
-def test_contiguous_arrays_cause_no_copies(coll, rank, world_size, checks):
-    run, check = ZERO_COPY[coll](rank, world_size, checks)
+def test_contiguous_arrays_cause_no_copies(coll, make, rank, world_size, checks):
+    run, check = ZERO_COPY[coll](make, rank, world_size, checks)
     before = copies()
     run()
     after = copies()
@@ -1041,29 +1060,31 @@ def test_contiguous_arrays_cause_no_copies(coll, rank, world_size, checks):
 # ---------------------------------------------------------------------------------------
 
 
-def test_all_gather_into_tensor_input_in_own_slot(rank, world_size):
+def test_all_gather_into_tensor_input_in_own_slot(make, rank, world_size):
     k = 3
     out = np.full(world_size * k, -1.0)
+    out[rank * k : (rank + 1) * k] = rank_input(rank, (k,), F8, salt=1)
+    out = make(out)
     mine = out[rank * k : (rank + 1) * k]
-    mine[...] = rank_input(rank, (k,), F8, salt=1)
     before = copies()
     dist.all_gather_into_tensor(out, mine)
     assert copies() == before, "the input already is this rank's block: no copy needed"
     assert_equal(out, np.concatenate(inputs_of(world_size, (k,), F8, 1)))
 
 
-def test_all_gather_into_tensor_input_in_another_slot(rank, world_size):
+def test_all_gather_into_tensor_input_in_another_slot(make, rank, world_size):
     # every rank's input is block 0 of its own output, which the gather overwrites
     k = 3
     out = np.full(world_size * k, -1.0)
     out[:k] = rank_input(rank, (k,), F8, salt=2)
+    out = make(out)
     dist.all_gather_into_tensor(out, out[:k])
     assert_equal(out, np.concatenate(inputs_of(world_size, (k,), F8, 2)))
 
 
-def test_all_gather_tensor_list_slot_is_tensor(rank, world_size):
-    x = rank_input(rank, (2, 2), np.dtype(np.int16), salt=3)
-    outs = [np.zeros((2, 2), np.int16) for _ in range(world_size)]
+def test_all_gather_tensor_list_slot_is_tensor(make, rank, world_size):
+    x = make.input(rank, (2, 2), np.int16, salt=3)
+    outs = [make.zeros((2, 2), np.int16) for _ in range(world_size)]
     outs[rank] = x
     before = copies()
     dist.all_gather(outs, x)
@@ -1073,24 +1094,22 @@ def test_all_gather_tensor_list_slot_is_tensor(rank, world_size):
         assert_equal(outs[r], rank_input(r, (2, 2), np.dtype(np.int16), salt=3))
 
 
-def test_all_gather_tensor_is_another_ranks_slot(rank, world_size):
+def test_all_gather_tensor_is_another_ranks_slot(make, rank, world_size):
     # the input lives in slot (rank + 1) % n of the output list, which receives another rank's data
     n = world_size
-    x = rank_input(rank, (3,), np.dtype(np.int32), salt=4)
-    outs = [np.zeros(3, np.int32) for _ in range(n)]
     slot = (rank + 1) % n
-    outs[slot][...] = x
+    outs = [make.zeros(3, np.int32) if j != slot else make.input(rank, (3,), np.int32, salt=4) for j in range(n)]
     dist.all_gather(outs, outs[slot])
     for r in range(n):
         assert_equal(outs[r], rank_input(r, (3,), np.dtype(np.int32), salt=4))
 
 
-def test_gather_list_slot_is_tensor(rank, world_size, checks):
+def test_gather_list_slot_is_tensor(make, rank, world_size, checks):
     for dst in range(world_size):
-        x = rank_input(rank, (3,), F8, salt=dst)
+        x = make.input(rank, (3,), F8, salt=dst)
         glist = None
         if rank == dst:
-            glist = [np.zeros(3) for _ in range(world_size)]
+            glist = [make.zeros(3) for _ in range(world_size)]
             glist[dst] = x
         dist.gather(x, glist, dst=dst)
         if rank == dst:
@@ -1099,14 +1118,13 @@ def test_gather_list_slot_is_tensor(rank, world_size, checks):
     checks.done()
 
 
-def test_scatter_list_src_slot_is_output(rank, world_size, checks):
+def test_scatter_list_src_slot_is_output(make, rank, world_size, checks):
     for src in range(world_size):
-        out = np.zeros(3)
+        out = make.zeros(3)
         slist = None
         if rank == src:
-            slist = [rank_input(r, (3,), F8, salt=src) for r in range(world_size)]
-            out[...] = slist[src]
-            slist[src] = out
+            slist = [make.input(r, (3,), F8, salt=src) for r in range(world_size)]
+            out = slist[src]
         before = copies()
         dist.scatter(out, slist, src=src)
         checks.true(f"src={src}: no copy expected", copies() == before)
@@ -1115,40 +1133,39 @@ def test_scatter_list_src_slot_is_output(rank, world_size, checks):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_scatter_output_aliases_another_ranks_block(rank, world_size):
+def test_scatter_output_aliases_another_ranks_block(make, rank, world_size):
     # on the source, the output is the block meant for the next rank
     src = 0
-    out = np.zeros(3)
+    out = make.zeros(3)
     slist = None
     if rank == src:
-        slist = [rank_input(r, (3,), F8, salt=5) for r in range(world_size)]
-        out[...] = slist[1]
-        slist[1] = out
+        slist = [make.input(r, (3,), F8, salt=5) for r in range(world_size)]
+        out = slist[1]
     dist.scatter(out, slist, src=src)
     assert_equal(out, rank_input(rank, (3,), F8, salt=5))
 
 
-def test_reduce_scatter_tensor_output_is_block_of_input(rank, world_size):
+def test_reduce_scatter_tensor_output_is_block_of_input(make, rank, world_size):
     k = 2
-    inp = rank_input(rank, (world_size * k,), np.dtype(np.int64), salt=6)
+    inp = make.input(rank, (world_size * k,), np.int64, salt=6)
     full = reference(inputs_of(world_size, (world_size * k,), np.dtype(np.int64), 6), R.SUM)
     out = inp[rank * k : (rank + 1) * k]
     dist.reduce_scatter_tensor(out, inp)
     assert_equal(out, full[rank * k : (rank + 1) * k])
 
 
-def test_all_to_all_single_in_place(rank, world_size):
-    x = a2a_rows(rank, 2 * world_size, (2,), np.int64)
+def test_all_to_all_single_in_place(make, rank, world_size):
+    x = make(a2a_rows(rank, 2 * world_size, (2,), np.int64))
     dist.all_to_all_single(x, x)
     assert_equal(x, a2a_expected(rank, world_size, [[2] * world_size] * world_size, (2,), np.int64))
 
 
-def test_all_to_all_output_list_is_input_list(rank, world_size):
+def test_all_to_all_output_list_is_input_list(make, rank, world_size):
     # symmetric sizes, so that the arrays a rank sends to j have the size of those it receives from j
     def size(a: int, b: int) -> int:
         return (a + b) % 3 + 1
 
-    arrays = [rank_input(rank, (size(rank, j),), F8, salt=j) for j in range(world_size)]
+    arrays = [make.input(rank, (size(rank, j),), F8, salt=j) for j in range(world_size)]
     dist.all_to_all(arrays, arrays)
     for j in range(world_size):
         assert_equal(arrays[j], rank_input(j, (size(j, rank),), F8, salt=rank))
@@ -1159,30 +1176,29 @@ def test_all_to_all_output_list_is_input_list(rank, world_size):
 # ---------------------------------------------------------------------------------------
 
 
-def _async_broadcast(rank, n, checks):
-    x = rank_input(rank, (3,), F8, salt=1)
+def _async_broadcast(make, rank, n, checks):
+    x = make.input(rank, (3,), F8, salt=1)
     w = dist.broadcast(x, src=n - 1, async_op=True)
     return w, [x], lambda: checks.equal("broadcast", x, rank_input(n - 1, (3,), F8, salt=1))
 
 
-def _async_all_reduce(rank, n, checks):
-    base = np.zeros((3, 4))
-    x = base.T  # non-contiguous: the result is written back only on completion
-    x[...] = rank_input(rank, (4, 3), F8, salt=2)
+def _async_all_reduce(make, rank, n, checks):
+    base = make(rank_input(rank, (4, 3), F8, salt=2).T.copy())
+    x = reverse_axes(base)  # non-contiguous: the result is written back only on completion
     w = dist.all_reduce(x, op=R.AVG, async_op=True)
     return w, [x], lambda: checks.equal("all_reduce", x, reference(inputs_of(n, (4, 3), F8, 2), R.AVG))
 
 
-def _async_reduce(rank, n, checks):
-    x = rank_input(rank, (3,), F8, salt=3)
+def _async_reduce(make, rank, n, checks):
+    x = make.input(rank, (3,), F8, salt=3)
     w = dist.reduce(x, dst=0, op=R.PRODUCT, async_op=True)
     expected = reference(inputs_of(n, (3,), F8, 3), R.PRODUCT) if rank == 0 else rank_input(rank, (3,), F8, salt=3)
     return w, [x], lambda: checks.equal("reduce", x, expected)
 
 
-def _async_all_gather(rank, n, checks):
-    x = rank_input(rank, _uneven_shape(rank), F8, salt=4)
-    outs = [np.zeros(_uneven_shape(r)) for r in range(n)]
+def _async_all_gather(make, rank, n, checks):
+    x = make.input(rank, _uneven_shape(rank), F8, salt=4)
+    outs = [make.zeros(_uneven_shape(r)) for r in range(n)]
     w = dist.all_gather(outs, x, async_op=True)
 
     def check():
@@ -1192,17 +1208,17 @@ def _async_all_gather(rank, n, checks):
     return w, outs, check
 
 
-def _async_all_gather_into_tensor(rank, n, checks):
-    x = rank_input(rank, (2,), F8, salt=5)
-    out = np.zeros(2 * n)
+def _async_all_gather_into_tensor(make, rank, n, checks):
+    x = make.input(rank, (2,), F8, salt=5)
+    out = make.zeros(2 * n)
     w = dist.all_gather_into_tensor(out, x, async_op=True)
     return w, [out], lambda: checks.equal("all_gather_into_tensor", out, np.concatenate(inputs_of(n, (2,), F8, 5)))
 
 
-def _async_gather(rank, n, checks):
+def _async_gather(make, rank, n, checks):
     dst = n - 1
-    x = rank_input(rank, (2,), F8, salt=6)
-    glist = [np.zeros(2) for _ in range(n)] if rank == dst else None
+    x = make.input(rank, (2,), F8, salt=6)
+    glist = [make.zeros(2) for _ in range(n)] if rank == dst else None
     w = dist.gather(x, glist, dst=dst, async_op=True)
 
     def check():
@@ -1213,40 +1229,40 @@ def _async_gather(rank, n, checks):
     return w, (glist if rank == dst else []), check
 
 
-def _async_scatter(rank, n, checks):
-    out = np.zeros(2)
-    slist = [rank_input(r, (2,), F8, salt=7) for r in range(n)] if rank == 0 else None
+def _async_scatter(make, rank, n, checks):
+    out = make.zeros(2)
+    slist = [make.input(r, (2,), F8, salt=7) for r in range(n)] if rank == 0 else None
     w = dist.scatter(out, slist, async_op=True)
     return w, [out], lambda: checks.equal("scatter", out, rank_input(rank, (2,), F8, salt=7))
 
 
-def _async_reduce_scatter(rank, n, checks):
-    out = np.zeros(2)
-    ins = [rank_input(rank, (2,), F8, salt=j) for j in range(n)]
+def _async_reduce_scatter(make, rank, n, checks):
+    out = make.zeros(2)
+    ins = [make.input(rank, (2,), F8, salt=j) for j in range(n)]
     w = dist.reduce_scatter(out, ins, op=R.MAX, async_op=True)
     return w, [out], lambda: checks.equal("reduce_scatter", out, reference(inputs_of(n, (2,), F8, rank), R.MAX))
 
 
-def _async_reduce_scatter_tensor(rank, n, checks):
-    out = np.zeros(2)
-    inp = rank_input(rank, (2 * n,), F8, salt=8)
+def _async_reduce_scatter_tensor(make, rank, n, checks):
+    out = make.zeros(2)
+    inp = make.input(rank, (2 * n,), F8, salt=8)
     full = reference(inputs_of(n, (2 * n,), F8, 8), R.SUM)
     w = dist.reduce_scatter_tensor(out, inp, async_op=True)
     return w, [out], lambda: checks.equal("reduce_scatter_tensor", out, full[2 * rank : 2 * rank + 2])
 
 
-def _async_all_to_all_single(rank, n, checks):
+def _async_all_to_all_single(make, rank, n, checks):
     table = split_table(n)
-    inp = a2a_rows(rank, sum(table[rank]), (), F8)
+    inp = make(a2a_rows(rank, sum(table[rank]), (), F8))
     out_splits = [table[j][rank] for j in range(n)]
-    out = np.zeros(sum(out_splits))
+    out = make.zeros(sum(out_splits))
     w = dist.all_to_all_single(out, inp, out_splits, table[rank], async_op=True)
     return w, [out], lambda: checks.equal("all_to_all_single", out, a2a_expected(rank, n, table, (), F8))
 
 
-def _async_all_to_all(rank, n, checks):
-    ins = [rank_input(rank, (_a2a_size(rank, j),), F8, salt=j) for j in range(n)]
-    outs = [np.zeros(_a2a_size(j, rank)) for j in range(n)]
+def _async_all_to_all(make, rank, n, checks):
+    ins = [make.input(rank, (_a2a_size(rank, j),), F8, salt=j) for j in range(n)]
+    outs = [make.zeros(_a2a_size(j, rank)) for j in range(n)]
     w = dist.all_to_all(outs, ins, async_op=True)
 
     def check():
@@ -1256,8 +1272,8 @@ def _async_all_to_all(rank, n, checks):
     return w, outs, check
 
 
-def _async_all_reduce_coalesced(rank, n, checks):
-    ts = [rank_input(rank, (3,), F8, salt=1), rank_input(rank, (2, 2), F8, salt=2)]
+def _async_all_reduce_coalesced(make, rank, n, checks):
+    ts = [make.input(rank, (3,), F8, salt=1), make.input(rank, (2, 2), F8, salt=2)]
     w = dist.all_reduce_coalesced(ts, async_op=True)
 
     def check():
@@ -1267,9 +1283,9 @@ def _async_all_reduce_coalesced(rank, n, checks):
     return w, ts, check
 
 
-def _async_all_gather_coalesced(rank, n, checks):
-    ins = [rank_input(rank, (3,), F8, salt=1), rank_input(rank, (2,), F8, salt=2)]
-    outs = [[np.zeros(3), np.zeros(2)] for _ in range(n)]
+def _async_all_gather_coalesced(make, rank, n, checks):
+    ins = [make.input(rank, (3,), F8, salt=1), make.input(rank, (2,), F8, salt=2)]
+    outs = [[make.zeros(3), make.zeros(2)] for _ in range(n)]
     w = dist.all_gather_coalesced(outs, ins, async_op=True)
 
     def check():
@@ -1280,7 +1296,7 @@ def _async_all_gather_coalesced(rank, n, checks):
     return w, [a for lst in outs for a in lst], check
 
 
-def _async_barrier(rank, n, checks):
+def _async_barrier(make, rank, n, checks):
     return dist.barrier(async_op=True), [], lambda: None
 
 
@@ -1303,8 +1319,8 @@ ASYNC = {
 
 
 @pytest.mark.parametrize("coll", list(ASYNC))
-def test_async_op_returns_work(coll, rank, world_size, checks):
-    work, outputs, check = ASYNC[coll](rank, world_size, checks)
+def test_async_op_returns_work(coll, make, rank, world_size, checks):
+    work, outputs, check = ASYNC[coll](make, rank, world_size, checks)
     checks.true(f"expected a Work, got {type(work).__name__}", isinstance(work, dist.Work))
     if not isinstance(work, dist.Work):
         checks.done()
@@ -1325,8 +1341,8 @@ def test_async_op_returns_work(coll, rank, world_size, checks):
     checks.done()
 
 
-def test_async_several_in_flight_complete_in_any_wait_order(rank, world_size):
-    xs = [rank_input(rank, (4,), F8, salt=i) for i in range(3)]
+def test_async_several_in_flight_complete_in_any_wait_order(make, rank, world_size):
+    xs = [make.input(rank, (4,), F8, salt=i) for i in range(3)]
     works = [dist.all_reduce(x, op=R.SUM, async_op=True) for x in xs]
     for w in reversed(works):
         w.wait()
@@ -1340,70 +1356,70 @@ def test_async_several_in_flight_complete_in_any_wait_order(rank, world_size):
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_zero_dim_arrays(fam, rank, world_size, checks):
+def test_zero_dim_arrays(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     n = world_size
 
-    x = rank_input(rank, (), dtype, salt=1)
+    x = make.input(rank, (), dtype, salt=1)
     dist.broadcast(x, src=n - 1)
     checks.equal("broadcast", x, rank_input(n - 1, (), dtype, salt=1))
 
-    x = rank_input(rank, (), dtype, salt=2)
+    x = make.input(rank, (), dtype, salt=2)
     dist.all_reduce(x, op=order_op(dtype))
     checks.equal("all_reduce", x, reference(inputs_of(n, (), dtype, 2), order_op(dtype)))
 
-    x = rank_input(rank, (), dtype, salt=3)
+    x = make.input(rank, (), dtype, salt=3)
     dist.reduce(x, dst=0, op=R.SUM)
     checks.equal(
         "reduce", x, reference(inputs_of(n, (), dtype, 3), R.SUM) if rank == 0 else rank_input(rank, (), dtype, salt=3)
     )
 
-    x = rank_input(rank, (), dtype, salt=4)
-    out = empty_like_dtype((n,), dtype)
+    x = make.input(rank, (), dtype, salt=4)
+    out = make.empty((n,), dtype)
     dist.all_gather_into_tensor(out, x)
     checks.equal("all_gather_into_tensor", out, np.stack(inputs_of(n, (), dtype, 4)))
 
-    outs = [empty_like_dtype((), dtype) for _ in range(n)]
+    outs = [make.empty((), dtype) for _ in range(n)]
     dist.all_gather(outs, x)
     for r in range(n):
         checks.equal(f"all_gather [{r}]", outs[r], rank_input(r, (), dtype, salt=4))
 
-    glist = [empty_like_dtype((), dtype) for _ in range(n)] if rank == 0 else None
+    glist = [make.empty((), dtype) for _ in range(n)] if rank == 0 else None
     dist.gather(x, glist)
     if rank == 0:
         for r in range(n):
             checks.equal(f"gather [{r}]", glist[r], rank_input(r, (), dtype, salt=4))
 
-    y = empty_like_dtype((), dtype)
-    slist = [rank_input(r, (), dtype, salt=5) for r in range(n)] if rank == 0 else None
+    y = make.empty((), dtype)
+    slist = [make.input(r, (), dtype, salt=5) for r in range(n)] if rank == 0 else None
     dist.scatter(y, slist)
     checks.equal("scatter", y, rank_input(rank, (), dtype, salt=5))
 
-    y = empty_like_dtype((), dtype)
-    dist.reduce_scatter_tensor(y, rank_input(rank, (n,), dtype, salt=6), op=order_op(dtype))
+    y = make.empty((), dtype)
+    dist.reduce_scatter_tensor(y, make.input(rank, (n,), dtype, salt=6), op=order_op(dtype))
     checks.equal("reduce_scatter_tensor", y, reference(inputs_of(n, (n,), dtype, 6), order_op(dtype))[rank])
 
-    ins = [rank_input(rank, (), dtype, salt=j) for j in range(n)]
-    outs = [empty_like_dtype((), dtype) for _ in range(n)]
+    ins = [make.input(rank, (), dtype, salt=j) for j in range(n)]
+    outs = [make.empty((), dtype) for _ in range(n)]
     dist.all_to_all(outs, ins)
     for j in range(n):
         checks.equal(f"all_to_all [{j}]", outs[j], rank_input(j, (), dtype, salt=rank))
     checks.done()
 
 
-def test_all_to_all_single_rejects_zero_dim(rank, world_size):
+def test_all_to_all_single_rejects_zero_dim(make, rank, world_size):
     with pytest.raises(ValueError):
-        dist.all_to_all_single(np.zeros(()), np.zeros(()))
-    x = np.array([1.0])
+        dist.all_to_all_single(make.zeros(()), make.zeros(()))
+    x = make(np.array([1.0]))
     dist.all_reduce(x)
     assert_equal(x, np.array([float(world_size)]))
 
 
 @pytest.mark.parametrize("fam", FAM_PARAMS)
-def test_empty_arrays(fam, rank, world_size, checks):
+def test_empty_arrays(fam, make, rank, world_size, checks):
     dtype = FAMILIES[fam]
     n = world_size
-    e = np.empty((0, 3), dtype)
+    e = make.empty((0, 3), dtype)
 
     dist.broadcast(e, src=0)
     checks.equal("broadcast", e, np.empty((0, 3), dtype))
@@ -1412,30 +1428,30 @@ def test_empty_arrays(fam, rank, world_size, checks):
     dist.reduce(e, dst=0)
     checks.equal("reduce", e, np.empty((0, 3), dtype))
 
-    out = np.empty((0, 3), dtype)
+    out = make.empty((0, 3), dtype)
     dist.all_gather_into_tensor(out, e)
     checks.equal("all_gather_into_tensor", out, np.empty((0, 3), dtype))
 
-    outs = [np.empty((0, 3), dtype) for _ in range(n)]
+    outs = [make.empty((0, 3), dtype) for _ in range(n)]
     dist.all_gather(outs, e)
-    checks.true("all_gather keeps shapes", all(o.shape == (0, 3) for o in outs))
+    checks.true("all_gather keeps shapes", all(tuple(o.shape) == (0, 3) for o in outs))
 
-    glist = [np.empty((0, 3), dtype) for _ in range(n)] if rank == 0 else None
+    glist = [make.empty((0, 3), dtype) for _ in range(n)] if rank == 0 else None
     dist.gather(e, glist)
-    slist = [np.empty((0, 3), dtype) for _ in range(n)] if rank == 0 else None
+    slist = [make.empty((0, 3), dtype) for _ in range(n)] if rank == 0 else None
     dist.scatter(e, slist)
 
-    dist.reduce_scatter_tensor(np.empty((0, 3), dtype), np.empty((0, 3), dtype))
-    dist.reduce_scatter(np.empty((0,), dtype), [np.empty((0,), dtype) for _ in range(n)])
+    dist.reduce_scatter_tensor(make.empty((0, 3), dtype), make.empty((0, 3), dtype))
+    dist.reduce_scatter(make.empty((0,), dtype), [make.empty((0,), dtype) for _ in range(n)])
 
-    out = np.empty((0, 3), dtype)
-    dist.all_to_all_single(out, np.empty((0, 3), dtype))
-    dist.all_to_all_single(out, np.empty((0, 3), dtype), [0] * n, [0] * n)
-    outs = [np.empty((0,), dtype) for _ in range(n)]
-    dist.all_to_all(outs, [np.empty((0,), dtype) for _ in range(n)])
+    out = make.empty((0, 3), dtype)
+    dist.all_to_all_single(out, make.empty((0, 3), dtype))
+    dist.all_to_all_single(out, make.empty((0, 3), dtype), [0] * n, [0] * n)
+    outs = [make.empty((0,), dtype) for _ in range(n)]
+    dist.all_to_all(outs, [make.empty((0,), dtype) for _ in range(n)])
 
     # the group is intact after all the empty operations: a real one gives the right answer
-    x = rank_input(rank, (3,), dtype, salt=1)
+    x = make.input(rank, (3,), dtype, salt=1)
     dist.all_reduce(x, op=order_op(dtype))
     checks.equal("all_reduce after", x, reference(inputs_of(n, (3,), dtype, 1), order_op(dtype)))
     checks.done()
@@ -1446,7 +1462,7 @@ def test_empty_arrays(fam, rank, world_size, checks):
 # ---------------------------------------------------------------------------------------
 
 
-def test_op_spellings_give_the_same_reduction(rank, world_size):
+def test_op_spellings_give_the_same_reduction(make, rank, world_size):
     """RedOpType members, ReduceOp instances and the premul-sum aliases are interchangeable."""
     dtype = np.dtype(np.float32)
     expected_max = reference(inputs_of(world_size, (4,), dtype), R.MAX)
@@ -1461,12 +1477,12 @@ def test_op_spellings_give_the_same_reduction(rank, world_size):
     ]
     results = []
     for op, _ in spellings:
-        x = rank_input(rank, (4,), dtype)
+        x = make.input(rank, (4,), dtype)
         dist.all_reduce(x, op=op)
         results.append(x)
     with pytest.warns(FutureWarning):
         deprecated = dist.reduce_op.MAX
-    x = rank_input(rank, (4,), dtype)
+    x = make.input(rank, (4,), dtype)
     dist.all_reduce(x, op=deprecated)
     results.append(x)
     spellings.append((deprecated, expected_max))
@@ -1474,98 +1490,106 @@ def test_op_spellings_give_the_same_reduction(rank, world_size):
         assert_equal(got, expected)
 
 
-def test_numpy_integer_roots(rank, world_size):
+def test_numpy_integer_roots(make, rank, world_size):
     src = np.int64(world_size - 1)
-    x = rank_input(rank, (3,), F8, salt=1)
+    x = make.input(rank, (3,), F8, salt=1)
     dist.broadcast(x, src=src)
     assert_equal(x, rank_input(world_size - 1, (3,), F8, salt=1))
-    y = rank_input(rank, (3,), F8, salt=2)
+    y = make.input(rank, (3,), F8, salt=2)
     dist.reduce(y, dst=np.int32(0))
     expected = reference(inputs_of(world_size, (3,), F8, 2), R.SUM) if rank == 0 else rank_input(rank, (3,), F8, salt=2)
     assert_equal(y, expected)
 
 
-def _bad_calls(n: int) -> list[tuple[str, type, Callable[[], Any]]]:
-    f8, i4 = np.zeros(2), np.zeros(2, np.int32)
-    ro = np.zeros(2)
-    ro.flags.writeable = False
+def _bad_calls(n: int, make: Maker) -> list[tuple[str, type, Callable[[], Any]]]:
+    """Calls that must raise, with arrays of ``make``'s kind (numpy-only cases only for numpy)."""
+    f8, i4 = make.zeros(2), make.zeros(2, np.int32)
+
+    def zeros(shape: Any, dtype: Any = np.float64) -> Any:
+        return make.zeros(shape, dtype)
+
     calls = [
         (
             "all_gather_into_tensor: output too small",
             ValueError,
-            lambda: dist.all_gather_into_tensor(np.zeros(2 * n - 1), f8),
+            lambda: dist.all_gather_into_tensor(zeros(2 * n - 1), f8),
         ),
-        ("all_gather_into_tensor: dtypes differ", TypeError, lambda: dist.all_gather_into_tensor(np.zeros(2 * n), i4)),
+        ("all_gather_into_tensor: dtypes differ", TypeError, lambda: dist.all_gather_into_tensor(zeros(2 * n), i4)),
         (
             "reduce_scatter_tensor: input too small",
             ValueError,
-            lambda: dist.reduce_scatter_tensor(f8, np.zeros(2 * n + 1)),
+            lambda: dist.reduce_scatter_tensor(f8, zeros(2 * n + 1)),
         ),
         (
             "reduce_scatter_tensor: dtypes differ",
             TypeError,
-            lambda: dist.reduce_scatter_tensor(f8, np.zeros(2 * n, np.float32)),
+            lambda: dist.reduce_scatter_tensor(f8, zeros(2 * n, np.float32)),
         ),
-        ("all_gather: list too short", ValueError, lambda: dist.all_gather([np.zeros(2)] * (n - 1), f8)),
-        ("all_gather: own slot size", ValueError, lambda: dist.all_gather([np.zeros(3) for _ in range(n)], f8)),
+        ("all_gather: list too short", ValueError, lambda: dist.all_gather([zeros(2)] * (n - 1), f8)),
+        ("all_gather: own slot size", ValueError, lambda: dist.all_gather([zeros(3) for _ in range(n)], f8)),
         (
             "all_gather: dtypes differ",
             TypeError,
-            lambda: dist.all_gather([np.zeros(2, np.int32) for _ in range(n)], f8),
+            lambda: dist.all_gather([zeros(2, np.int32) for _ in range(n)], f8),
         ),
-        ("reduce_scatter: list too long", ValueError, lambda: dist.reduce_scatter(f8, [np.zeros(2)] * (n + 1))),
+        ("reduce_scatter: list too long", ValueError, lambda: dist.reduce_scatter(f8, [zeros(2)] * (n + 1))),
         (
             "all_to_all_single: splits sum",
             ValueError,
-            lambda: dist.all_to_all_single(np.zeros(n), np.zeros(n), [1] * n, [2] * n),
+            lambda: dist.all_to_all_single(zeros(n), zeros(n), [1] * n, [2] * n),
         ),
         (
             "all_to_all_single: splits length",
             ValueError,
-            lambda: dist.all_to_all_single(np.zeros(n), np.zeros(n), [1] * (n + 1), [1] * (n + 1)),
+            lambda: dist.all_to_all_single(zeros(n), zeros(n), [1] * (n + 1), [1] * (n + 1)),
         ),
         (
             "all_to_all_single: negative split",
             ValueError,
-            lambda: dist.all_to_all_single(np.zeros(n), np.zeros(n), [1] * n, [-1] + [1] * (n - 1)),
+            lambda: dist.all_to_all_single(zeros(n), zeros(n), [1] * n, [-1] + [1] * (n - 1)),
         ),
         (
             "all_to_all_single: row shapes",
             ValueError,
-            lambda: dist.all_to_all_single(np.zeros((n, 2)), np.zeros((n, 3))),
+            lambda: dist.all_to_all_single(zeros((n, 2)), zeros((n, 3))),
         ),
-        ("all_to_all: list too short", ValueError, lambda: dist.all_to_all([np.zeros(1)] * (n - 1), [np.zeros(1)] * n)),
-        ("all_reduce: read-only", ValueError, lambda: dist.all_reduce(ro)),
-        ("all_reduce: a list", TypeError, lambda: dist.all_reduce([1.0, 2.0])),
-        ("all_reduce: object dtype", TypeError, lambda: dist.all_reduce(np.array([1, "a"], object))),
-        ("broadcast: src out of range", ValueError, lambda: dist.broadcast(np.zeros(2), src=n)),
-        ("broadcast: src and group_src", ValueError, lambda: dist.broadcast(np.zeros(2), src=0, group_src=0)),
-        ("broadcast: no src", ValueError, lambda: dist.broadcast(np.zeros(2))),
+        ("all_to_all: list too short", ValueError, lambda: dist.all_to_all([zeros(1)] * (n - 1), [zeros(1)] * n)),
+        ("broadcast: src out of range", ValueError, lambda: dist.broadcast(zeros(2), src=n)),
+        ("broadcast: src and group_src", ValueError, lambda: dist.broadcast(zeros(2), src=0, group_src=0)),
+        ("broadcast: no src", ValueError, lambda: dist.broadcast(zeros(2))),
         (
             "all_reduce_coalesced: dtypes differ",
             TypeError,
-            lambda: dist.all_reduce_coalesced([np.zeros(2), np.zeros(2, np.int32)]),
+            lambda: dist.all_reduce_coalesced([zeros(2), zeros(2, np.int32)]),
         ),
         (
             "all_gather_coalesced: sizes differ",
             ValueError,
-            lambda: dist.all_gather_coalesced([[np.zeros(3)] for _ in range(n)], [f8]),
+            lambda: dist.all_gather_coalesced([[zeros(3)] for _ in range(n)], [f8]),
         ),
     ]
+    if make.name == "numpy":  # read-only flags, lists and object arrays are numpy's own
+        ro = np.zeros(2)
+        ro.flags.writeable = False
+        calls += [
+            ("all_reduce: read-only", ValueError, lambda: dist.all_reduce(ro)),
+            ("all_reduce: a list", TypeError, lambda: dist.all_reduce([1.0, 2.0])),
+            ("all_reduce: object dtype", TypeError, lambda: dist.all_reduce(np.array([1, "a"], object))),
+        ]
     if n > 1:  # rows that do not split evenly over the ranks
         calls.append(
             (
                 "all_to_all_single: uneven rows",
                 ValueError,
-                lambda: dist.all_to_all_single(np.zeros(n + 1), np.zeros(n + 1)),
+                lambda: dist.all_to_all_single(zeros(n + 1), zeros(n + 1)),
             )
         )
     return calls
 
 
-def test_invalid_arguments_raise_on_every_rank_before_communicating(rank, world_size, checks):
+def test_invalid_arguments_raise_on_every_rank_before_communicating(make, rank, world_size, checks):
     """Local validation, identical on every rank: all raise, nobody waits in a collective."""
-    for what, exc_type, call in _bad_calls(world_size):
+    for what, exc_type, call in _bad_calls(world_size, make):
         try:
             call()
         except exc_type:
@@ -1574,35 +1598,35 @@ def test_invalid_arguments_raise_on_every_rank_before_communicating(rank, world_
             checks.failures.append(f"{what}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}")
         else:
             checks.failures.append(f"{what}: did not raise")
-    x = np.array([1.0, rank])
+    x = make(np.array([1.0, rank]))
     dist.all_reduce(x)
     checks.equal("all_reduce after the errors", x, np.array([world_size, world_size * (world_size - 1) / 2]))
     checks.done()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_all_gather_overlapping_outputs_raise(rank, world_size):
-    buf = np.zeros(2)
+def test_all_gather_overlapping_outputs_raise(make, rank, world_size):
+    buf = make.zeros(2)
     with pytest.raises(ValueError):
-        dist.all_gather([buf] * world_size, np.ones(2))
-    x = np.ones(1)
+        dist.all_gather([buf] * world_size, make(np.ones(2)))
+    x = make(np.ones(1))
     dist.all_reduce(x)
     assert_equal(x, np.array([float(world_size)]))
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int64)], ids=["float32", "bf16", "int64"])
-def test_larger_arrays(dtype, rank, world_size):
+def test_larger_arrays(dtype, make, rank, world_size):
     """2**16 elements: several MPI segments and pipeline stages."""
     m = 1 << 16
     base = (np.arange(m) % 7).astype(dtype)
-    x = base + np.asarray(rank, dtype)
+    x = make(base + np.asarray(rank, dtype))
     dist.all_reduce(x)
     expected = (np.arange(m) % 7 * world_size + world_size * (world_size - 1) // 2).astype(dtype)
     assert_equal(x, expected)
-    out = np.empty(world_size * m, dtype)
-    dist.all_gather_into_tensor(out, base + np.asarray(rank, dtype))
+    out = make.empty((world_size * m,), dtype)
+    dist.all_gather_into_tensor(out, make(base + np.asarray(rank, dtype)))
     assert_equal(out, np.concatenate([base + np.asarray(r, dtype) for r in range(world_size)]))
-    a2a_out = np.empty(world_size * m, dtype)
+    a2a_out = make.empty((world_size * m,), dtype)
     dist.all_to_all_single(a2a_out, out)  # every rank sends block j (rank j's data) to rank j
     assert_equal(a2a_out, np.concatenate([base + np.asarray(rank, dtype)] * world_size))
 
@@ -1612,7 +1636,7 @@ def test_larger_arrays(dtype, rank, world_size):
 # ---------------------------------------------------------------------------------------
 
 
-def test_float16_sum_rounds_to_nearest_even(rank, world_size):
+def test_float16_sum_rounds_to_nearest_even(make, rank, world_size):
     """float16 sums whose exact value is not representable.
 
     Only rank 0 contributes the large values and only the last rank the small
@@ -1626,6 +1650,7 @@ def test_float16_sum_rounds_to_nearest_even(rank, world_size):
         x += big
     if rank == world_size - 1:
         x += small  # at size 1 the addition happens here, in float16, rounded once
+    x = make(x)
     dist.all_reduce(x)
     # 2049 -> 2048 (tie to even), 2051 -> 2052, 1 + 2**-11 -> 1 (tie to even), 1024.25 -> 1024
     expected = (big.astype(np.float64) + small.astype(np.float64)).astype(np.float16)
@@ -1634,7 +1659,7 @@ def test_float16_sum_rounds_to_nearest_even(rank, world_size):
         assert_equal(expected, np.array([2048.0, 2052.0, 1.0, 1024.0], np.float16))
 
 
-def test_bfloat16_sum_rounds_once(rank, world_size):
+def test_bfloat16_sum_rounds_once(make, rank, world_size):
     """bfloat16 sums: mpidist reduces in float32 and rounds once when MPI has no native bfloat16.
 
     Rank 0 holds 256 and every other rank 1 (ulp(256) = 2 in bfloat16): summing
@@ -1642,7 +1667,7 @@ def test_bfloat16_sum_rounds_once(rank, world_size):
     gives bfloat16(256 + n - 1): 256, 256, 258, 260 for n = 1, 2, 3, 4.
     """
     native = type_table()[BF16].wide is None
-    x = np.array([256.0 if rank == 0 else 1.0, 1.0, 0.5], BF16)
+    x = make(np.array([256.0 if rank == 0 else 1.0, 1.0, 0.5], BF16))
     dist.all_reduce(x)
     n = world_size
     exact = np.array([256.0 + (n - 1), float(n), 0.5 * n])
@@ -1657,13 +1682,13 @@ def test_bfloat16_sum_rounds_once(rank, world_size):
         assert float(expected[0]) == spelled_out[n]
 
 
-def test_bfloat16_avg_and_premul_round_once(rank, world_size):
+def test_bfloat16_avg_and_premul_round_once(make, rank, world_size):
     n = world_size
-    x = np.array([1.0, 3.0, 100.0], BF16) + rank
+    x = make(np.array([1.0, 3.0, 100.0], BF16) + rank)
     dist.all_reduce(x, op=R.AVG)
     exact = np.array([1.0, 3.0, 100.0]) + (n - 1) / 2
     assert_equal(x, exact.astype(BF16))
-    y = np.array([1.0, 3.0, 100.0], BF16) + rank
+    y = make(np.array([1.0, 3.0, 100.0], BF16) + rank)
     dist.all_reduce(y, op=dist.make_premul_sum(0.5))
     exact = (np.array([1.0, 3.0, 100.0]) * n + n * (n - 1) / 2) * 0.5
     assert_equal(y, exact.astype(BF16))
