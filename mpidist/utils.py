@@ -1,10 +1,13 @@
-"""Lightning's distributed utilities (``pytorch_lightning.utilities.distributed``) for numpy arrays.
+"""Lightning's distributed utilities (``pytorch_lightning.utilities.distributed``) for numpy arrays and torch tensors.
 
 Same names, parameters and results as Lightning's, built on mpidist's public
-collectives:
+collectives. Each function takes a numpy array or a CPU torch tensor and returns
+the kind it was given (same dtype, bfloat16 included):
 
 * :func:`distributed_available`: is the default process group initialized?
-* :func:`all_gather_ddp_if_available`: stack every rank's array, shape ``(world_size, *shape)``.
+* :func:`all_gather_ddp_if_available`: stack every rank's array, shape ``(world_size, *shape)``;
+  with ``sync_grads=True`` (torch tensors) gradients flow back through the gather
+  (:class:`~mpidist.autograd.AllGatherGrad`).
 * :func:`gather_all_tensors`: every rank's array, in a list, where shapes may differ
   per rank in any dimension (two collectives: the shapes, then the padded data).
 * :func:`sync_ddp`, :func:`sync_ddp_if_available`: all-reduce with ``reduce_op`` given
@@ -14,8 +17,10 @@ collectives:
 * :class:`MPIEnvironment`: a ready cluster environment for processes started by an MPI
   launcher (Lightning's ``ClusterEnvironment`` interface).
 
-``AllGatherGrad`` and ``register_ddp_comm_hook`` need torch's autograd and DDP; they
-arrive with torch tensor support.
+``AllGatherGrad`` (a ``torch.autograd.Function``) lives in :mod:`mpidist.autograd`
+and is importable from here too, as in Lightning; it needs torch, which this module
+never imports (torch is optional). ``register_ddp_comm_hook`` needs torch's DDP and
+is not provided.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import logging
 import operator
 import os
 import socket
+import sys
 from typing import Any
 
 import numpy as np
 
-from ._arrays import DTYPES, dtype_info
+from ._arrays import DTYPES, as_array
 from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
 from .process_group import ProcessGroup, resolve_group
@@ -68,13 +74,46 @@ _REDUCE_OP_NAMES = {
 _AVERAGE_NAMES = ("avg", "mean")
 
 
-def _array_arg(x: Any, fn: str, arg: str) -> np.ndarray:
-    """Return ``x`` if it is a numpy array of a dtype mpidist sends, else raise TypeError."""
-    if not isinstance(x, np.ndarray) or isinstance(x, np.ma.MaskedArray):
-        hint = "; convert it with numpy.asarray(...)" if isinstance(x, (list, tuple, int, float, complex)) else ""
-        raise TypeError(f"{fn}: {arg} must be a numpy.ndarray, got {type(x).__module__}.{type(x).__qualname__}{hint}")
-    dtype_info(x.dtype, fn, arg)
-    return x
+def __getattr__(name: str) -> Any:
+    """``mpidist.utils.AllGatherGrad``, as in Lightning's module, imported (with torch) on first use."""
+    if name == "AllGatherGrad":
+        from .autograd import AllGatherGrad
+
+        return AllGatherGrad
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _torch_of(x: Any) -> Any:
+    """Return the torch module if ``x`` is a torch tensor, else None (never imports torch)."""
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def _array_arg(x: Any, fn: str, arg: str) -> tuple[np.ndarray, Any]:
+    """Validate ``x`` as a numpy array or CPU torch tensor of a dtype mpidist sends.
+
+    Returns ``(view, torch)``: a zero-copy numpy view of ``x`` (``x`` itself for
+    numpy; read and written without autograd for a tensor) and the torch module
+    for a tensor, None for a numpy array. Raises _arrays' TypeError or ValueError.
+    """
+    view = as_array(x, fn, arg)
+    torch = _torch_of(x)
+    if torch is None and not isinstance(x, np.ndarray):  # a kind _arrays takes but the utilities cannot return
+        raise TypeError(
+            f"{fn}: {arg} must be a numpy.ndarray or a CPU torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    return view, torch
+
+
+def _new_like(x: Any, view: np.ndarray, torch: Any, shape: tuple[int, ...], fn: str) -> tuple[Any, np.ndarray]:
+    """Return a new uninitialized array of ``x``'s kind and dtype, and a numpy view of it."""
+    if torch is None:
+        out = np.empty(shape, view.dtype)
+        return out, out
+    out = torch.empty(shape, dtype=x.dtype)
+    return out, as_array(out, fn, "output")
 
 
 def distributed_available() -> bool:
@@ -95,51 +134,71 @@ def distributed_available() -> bool:
 
 
 def all_gather_ddp_if_available(tensor: Any, group: ProcessGroup | None = None, sync_grads: bool = False) -> Any:
-    """Gather ``tensor`` from every rank of ``group`` and stack the arrays.
+    """Gather ``tensor`` from every rank of ``group`` and stack the results.
 
     Every rank must pass an array of the same shape and dtype (use
     :func:`gather_all_tensors` when shapes differ; ``MPIDIST_DEBUG=DETAIL`` checks it).
 
+    With ``sync_grads=True`` the gather is :class:`~mpidist.autograd.AllGatherGrad`:
+    the result is part of the autograd graph, and backpropagating through it
+    all-reduces (sums) the gradient of the result across ``group`` and hands each
+    rank its own slice, so ``tensor.grad`` receives what every rank's loss says
+    about this rank's ``tensor``. That backward pass is a collective: every rank of
+    ``group`` must backpropagate through its result. With ``sync_grads=False`` the
+    result is detached (no ``grad_fn``), as Lightning's ``torch.no_grad()`` gather.
+
     Args:
-        tensor: a numpy array of shape ``(batch, ...)``.
+        tensor: a numpy array or CPU torch tensor of shape ``(batch, ...)``.
         group: the process group (default: the world).
-        sync_grads: must be False for numpy arrays, which carry no gradients;
-            ``True`` needs torch tensors (autograd), which arrive with torch support.
+        sync_grads: let gradients flow back through the gather (torch tensors only;
+            numpy arrays carry no gradients).
 
     Returns:
-        A new array of shape ``(world_size, batch, ...)``; row ``i`` is group rank
-        ``i``'s array. Without an initialized process group, ``tensor`` as a world
-        of one: a copy of shape ``(1, batch, ...)``. None on ranks outside ``group``.
+        A new array of ``tensor``'s kind and dtype, of shape ``(world_size, batch, ...)``;
+        row ``i`` is group rank ``i``'s ``tensor``. Without an initialized process
+        group, ``tensor`` as in a world of one: a copy of shape ``(1, batch, ...)``
+        (differentiable with ``sync_grads=True``). None on ranks outside ``group``.
 
     Raises:
-        TypeError: ``tensor`` is not a numpy array of a supported dtype, or
-            ``sync_grads`` is not False.
+        TypeError: ``tensor`` is not a numpy array or CPU torch tensor of a supported
+            dtype, ``sync_grads`` is not a bool, or ``sync_grads=True`` with a numpy array.
 
     Example (``mpiexec -n 2``)::
 
         >>> out = dist.all_gather_ddp_if_available(np.full(2, dist.get_rank()))
         >>> out                                   # [[0, 0], [1, 1]] on both ranks
+        >>> x = torch.full((2,), 1.0 + dist.get_rank(), requires_grad=True)
+        >>> gathered = dist.all_gather_ddp_if_available(x, sync_grads=True)   # [[1, 1], [2, 2]]
+        >>> (gathered * torch.tensor([[1.0], [10.0]])).sum().backward()
+        >>> x.grad                                # tensor([2., 2.]) on rank 0, tensor([20., 20.]) on rank 1
     """
     fn = "all_gather_ddp_if_available"
-    arr = _array_arg(tensor, fn, "tensor")
+    view, torch = _array_arg(tensor, fn, "tensor")
     if not isinstance(sync_grads, (bool, np.bool_)):
         raise TypeError(f"{fn}: sync_grads must be a bool, got {type(sync_grads).__name__}")
-    if sync_grads:
+    if sync_grads and torch is None:
         raise TypeError(
-            f"{fn}: sync_grads=True needs a tensor that carries gradients (a torch tensor, supported once "
-            "mpidist takes torch tensors), got a numpy.ndarray, which has none; pass sync_grads=False"
+            f"{fn}: sync_grads=True backpropagates through the gather, which needs a torch.Tensor; got a "
+            "numpy.ndarray, which carries no gradients: pass sync_grads=False (or a torch tensor)"
         )
-    if not distributed_available():
-        return arr[None].copy()
+    if not distributed_available():  # a world of one
+        if torch is None:
+            return view[None].copy()
+        source = tensor if sync_grads else tensor.detach()
+        return source.unsqueeze(0).clone(memory_format=torch.contiguous_format)
     pg = resolve_group(group, fn)
     if pg is None:  # not a member of group: like the collectives, do nothing
         return None
-    out = np.empty((pg.size(), *arr.shape), arr.dtype)
-    all_gather_into_tensor(out, arr, group=group)
+    if sync_grads:
+        from .autograd import AllGatherGrad
+
+        return AllGatherGrad.apply(tensor, pg)
+    out, out_view = _new_like(tensor, view, torch, (pg.size(), *view.shape), fn)
+    all_gather_into_tensor(out_view, view, group=pg)
     return out
 
 
-def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[np.ndarray] | None:
+def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[Any] | None:
     """Gather every rank's ``result`` into a list on every rank; shapes may differ in any dimension.
 
     Two collectives, whatever the world size: an all-gather of every rank's
@@ -147,19 +206,22 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[n
     arrays zero-padded to the largest extent of each dimension, which each slice
     is trimmed back from. Every rank must pass the same number of dimensions and
     the same dtype; otherwise every rank raises the same error after the first
-    collective (and before any data moves).
+    collective (and before any data moves). The results carry no gradients
+    (as Lightning's; use :func:`all_gather_ddp_if_available` with
+    ``sync_grads=True`` for that).
 
     Args:
-        result: a numpy array (0-d arrays work).
+        result: a numpy array or CPU torch tensor (0-d works).
         group: the process group (default: the world).
 
     Returns:
-        A list with one C-contiguous array per rank of ``group``: element ``i`` is
-        group rank ``i``'s ``result`` (a copy). None on ranks outside ``group``.
+        A list with one C-contiguous array of ``result``'s kind and dtype per rank
+        of ``group``: element ``i`` is group rank ``i``'s ``result`` (a copy). None
+        on ranks outside ``group``.
 
     Raises:
-        TypeError: ``result`` is not a numpy array of a supported dtype, or the
-            ranks passed different dtypes.
+        TypeError: ``result`` is not a numpy array or CPU torch tensor of a supported
+            dtype, or the ranks passed different dtypes.
         ValueError: the ranks passed different numbers of dimensions.
 
     Example (``mpiexec -n 2``)::
@@ -167,9 +229,11 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[n
         >>> r = dist.get_rank()
         >>> parts = dist.gather_all_tensors(np.ones((r + 1, 2 - r)))
         >>> [p.shape for p in parts]               # [(1, 2), (2, 1)] on both ranks
+        >>> parts = dist.gather_all_tensors(torch.arange(r + 1))
+        >>> parts                                  # [tensor([0]), tensor([0, 1])] on both ranks
     """
     fn = "gather_all_tensors"
-    arr = _array_arg(result, fn, "result")
+    arr, torch = _array_arg(result, fn, "result")
     pg = resolve_group(group, fn)
     if pg is None:  # not a member of group: like the collectives, do nothing
         return None
@@ -179,7 +243,7 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[n
     header[1] = _CODE_OF_DTYPE[arr.dtype]
     header[2 : 2 + arr.ndim] = arr.shape
     headers = np.empty((n, _HEADER), np.int64)
-    all_gather_into_tensor(headers, header, group=group)
+    all_gather_into_tensor(headers, header, group=pg)
 
     ndims = headers[:, 0].tolist()
     if len(set(ndims)) > 1:
@@ -192,27 +256,31 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[n
     shapes = [tuple(row) for row in headers[:, 2 : 2 + arr.ndim].tolist()]
     max_shape = tuple(headers[:, 2 : 2 + arr.ndim].max(axis=0).tolist())
 
-    out = np.empty((n, *max_shape), arr.dtype)
-    if out.size:  # else every array is empty: nothing to send
+    out, out_view = _new_like(result, arr, torch, (n, *max_shape), fn)
+    if out_view.size:  # else every array is empty: nothing to send
         if arr.shape == max_shape:
             padded = arr
         else:
             padded = np.zeros(max_shape, arr.dtype)
             padded[tuple(slice(0, s) for s in arr.shape)] = arr
-        all_gather_into_tensor(out, padded, group=group)
+        all_gather_into_tensor(out_view, padded, group=pg)
+    contiguous = np.ascontiguousarray if torch is None else (lambda t: t.contiguous())
     return [
-        out[r] if shape == max_shape else np.ascontiguousarray(out[r][tuple(slice(0, s) for s in shape)])
+        out[r] if shape == max_shape else contiguous(out[r][tuple(slice(0, s) for s in shape)])
         for r, shape in enumerate(shapes)
     ]
 
 
-def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[np.ndarray, Any, bool]:
-    """Validate ``sync_ddp``'s arguments: return (array, op, divide by the group size afterwards)."""
+def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[Any, np.ndarray, Any, Any, bool]:
+    """Validate ``sync_ddp``'s arguments.
+
+    Returns ``(result, view, torch, op, divide)``: the array to reduce and return
+    (a new 0-d numpy array for a number), its numpy view, the torch module for a
+    tensor (else None), the ReduceOp, and whether to divide by the group size afterwards.
+    """
     if isinstance(result, (bool, int, float, complex, np.generic)):
-        arr = np.array(result)  # a number: reduced in a new 0-d array
-    else:
-        arr = result
-    arr = _array_arg(arr, fn, "result")
+        result = np.array(result)  # a number: reduced in a new 0-d array
+    arr, torch = _array_arg(result, fn, "result")
     kind = DTYPES[arr.dtype].kind
     divide = False
     if reduce_op is None:
@@ -221,9 +289,10 @@ def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[np.ndarray, Any, b
         key = reduce_op.lower()
         if key in _AVERAGE_NAMES:
             if kind == "b":
+                cast = "result.astype(numpy.int64)" if torch is None else "result.long()"
                 raise ValueError(
                     f"{fn}: reduce_op={reduce_op!r} averages, which is not defined for bool arrays; "
-                    "cast result to a number type first, e.g. result.astype(numpy.int64)"
+                    f"cast result to a number type first, e.g. {cast}"
                 )
             op, divide = ReduceOp.SUM, True
         elif key in _REDUCE_OP_NAMES:
@@ -242,20 +311,22 @@ def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[np.ndarray, Any, b
             f"or 'mean', got {type(reduce_op).__module__}.{type(reduce_op).__qualname__}"
         )
     check_op(op, kind, arr.dtype.name, fn)
-    return arr, op, divide
+    return result, arr, torch, op, divide
 
 
 def sync_ddp(result: Any, group: ProcessGroup | None = None, reduce_op: Any = None) -> Any:
     """All-reduce ``result`` across ``group`` and return the reduced value.
 
-    ``result`` is reduced in place (an array) and returned. With ``"mean"``/``"avg"``
-    it is summed and then divided by the group size: in place for floating-point
-    and complex arrays; integer arrays keep the sum and a new float64 array holding
-    the mean is returned (Lightning divides with true division). A number is reduced
-    in a new 0-d array, which is returned.
+    ``result`` is reduced in place (an array or tensor) and returned. With
+    ``"mean"``/``"avg"`` it is summed and then divided by the group size: in place
+    for floating-point and complex arrays; integer arrays keep the sum and a new
+    array holding the mean is returned (Lightning's true division ``result /
+    world_size``: float64 for numpy, torch's default float dtype for a tensor). A
+    number is reduced in a new 0-d numpy array, which is returned. Like
+    torch.distributed, a tensor that requires grad is reduced without autograd.
 
     Args:
-        result: a numpy array, or a number.
+        result: a numpy array, a CPU torch tensor, or a number.
         group: the process group (default: the world).
         reduce_op: None or ``"sum"`` (the default), ``"mean"`` or ``"avg"``, another
             reduction's name (``"max"``, ``"min"``, ``"product"``, ``"band"``,
@@ -267,32 +338,37 @@ def sync_ddp(result: Any, group: ProcessGroup | None = None, reduce_op: Any = No
         unchanged on ranks outside ``group``.
 
     Raises:
-        TypeError: ``result`` is not a numpy array or number of a supported dtype,
-            or ``reduce_op`` is not None, a string or a ReduceOp.
+        TypeError: ``result`` is not a numpy array, CPU torch tensor or number of a
+            supported dtype, or ``reduce_op`` is not None, a string or a ReduceOp.
         ValueError: ``reduce_op`` names no reduction, or one not defined on the dtype.
 
     Example (``mpiexec -n 2``)::
 
         >>> x = np.array([1.0, 2.0]) * (dist.get_rank() + 1)     # [1, 2] and [2, 4]
         >>> dist.sync_ddp(x, reduce_op="mean")                   # [1.5, 3.] on both ranks
+        >>> t = torch.tensor([1, 2]) * (dist.get_rank() + 1)
+        >>> dist.sync_ddp(t, reduce_op="avg")                    # tensor([1.5000, 3.0000])
     """
     fn = "sync_ddp"
-    arr, op, divide = _sync_args(result, reduce_op, fn)
+    result, arr, torch, op, divide = _sync_args(result, reduce_op, fn)
     pg = resolve_group(group, fn)
     if pg is None:  # not a member of group: like the collectives, do nothing
         return result
-    all_reduce(arr, op=op, group=group)
+    all_reduce(arr, op=op, group=pg)
     if not divide:
-        return arr
+        return result
     n = pg.size()
     kind = DTYPES[arr.dtype].kind
-    if kind == "f":
-        return np.divide(arr, n, out=arr)
+    if kind == "f":  # in place, through the view (a tensor that requires grad included)
+        np.divide(arr, n, out=arr)
+        return result
     if kind == "c":  # each component, correctly rounded (as ReduceOp.AVG does)
         np.divide(arr.real, n, out=arr.real)
         np.divide(arr.imag, n, out=arr.imag)
-        return arr
-    return np.divide(arr, n, out=np.empty(arr.shape, np.float64))
+        return result
+    if torch is None:
+        return np.divide(arr, n, out=np.empty(arr.shape, np.float64))
+    return torch.true_divide(result, n)
 
 
 def sync_ddp_if_available(result: Any, group: ProcessGroup | None = None, reduce_op: Any = None) -> Any:
@@ -302,7 +378,8 @@ def sync_ddp_if_available(result: Any, group: ProcessGroup | None = None, reduce
 
     Example (``mpiexec -n 2``)::
 
-        >>> dist.sync_ddp_if_available(np.ones(2), reduce_op="sum")   # [2., 2.]
+        >>> dist.sync_ddp_if_available(np.ones(2), reduce_op="sum")      # [2., 2.]
+        >>> dist.sync_ddp_if_available(torch.ones(2), reduce_op="max")   # tensor([1., 1.])
     """
     fn = "sync_ddp_if_available"
     _sync_args(result, reduce_op, fn)
