@@ -52,6 +52,7 @@ __all__ = [
     "DeviceArray",
     "is_device",
     "host_view",
+    "as_host_array",
 ]
 
 ndarray = np.ndarray
@@ -234,6 +235,26 @@ def _adapt(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
 def is_device(x: Any) -> bool:
     """True for a prepared device array (what backends get for GPU memory)."""
     return type(x) is DeviceArray
+
+
+def as_host_array(x: Any, fn: str, arg: str, writeable: bool = False) -> tuple[ndarray, DeviceArray | None]:
+    """Like :func:`as_array`, but a device array is copied into host memory (a counted copy).
+
+    Returns ``(host array, device array or None)``; an output's result goes back with
+    ``write_back(host, device)``. For calls that pack their arrays anyway (``*_coalesced``).
+    """
+    a = x if type(x) is ndarray else _adapt(x, fn, arg)
+    if type(a) is not DeviceArray:
+        return as_array(a, fn, arg, writeable), None
+    dtype_info(a.dtype, fn, arg)
+    if writeable and a.readonly:
+        raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
+    if writeable:
+        _check_distinct(a.strides or (), a.shape, fn, arg)
+    h = a.ops.pinned(a.nbytes).view(a.dtype).reshape(a.shape)
+    a.ops.to_host(h, a)
+    world.stats.count_copy(a.nbytes)
+    return h, a
 
 
 def as_array(x: Any, fn: str, arg: str, writeable: bool = False) -> ndarray:

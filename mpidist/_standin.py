@@ -61,9 +61,25 @@ class HostCudaArray:
             "stream": self.stream,
         }
 
+    @property
+    def flags(self) -> Any:
+        """The host array's flags (cupy arrays have ``flags.c_contiguous`` too)."""
+        return self.host.flags
+
+    @property
+    def size(self) -> int:
+        return self.host.size
+
+    def item(self) -> Any:
+        """Return the only element as a Python number (like ``cupy.ndarray.item``)."""
+        return self.host.item()
+
     def get(self) -> np.ndarray:
         """Return a host copy (like ``cupy.ndarray.get``)."""
         return self.host.copy()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.host[index] = value
 
     def __getitem__(self, index: Any) -> HostCudaArray:
         return HostCudaArray(self.host[index], self.stream)

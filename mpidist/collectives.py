@@ -16,7 +16,7 @@ import numpy as np
 
 from ._arrays import (
     DTYPES,
-    as_array,
+    as_host_array,
     host_view,
     prepare_inout,
     prepare_input,
@@ -489,10 +489,17 @@ def barrier(
     return None
 
 
-def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool) -> list[np.ndarray]:
+def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool, devices: list[Any]) -> list[np.ndarray]:
+    """Host arrays for ``tensors``; device arrays are copied to the host and ``(host, device)``
+    appended to ``devices``, for the write-back of outputs."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{fn}: {arg} must be a list of arrays, got {type(tensors).__name__}")
-    arrays = [as_array(t, fn, f"{arg}[{i}]", writeable) for i, t in enumerate(tensors)]
+    arrays = []
+    for i, t in enumerate(tensors):
+        a, d = as_host_array(t, fn, f"{arg}[{i}]", writeable)
+        arrays.append(a)
+        if d is not None:
+            devices.append((a, d))
     if arrays:
         _same_dtype(fn, arrays[0], f"{arg}[0]", arrays, arg)
     return arrays
@@ -512,7 +519,8 @@ def all_reduce_coalesced(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    arrays = _flat_list(tensors, fn, "tensors", writeable=True)
+    devices: list[Any] = []
+    arrays = _flat_list(tensors, fn, "tensors", writeable=True, devices=devices)
     if not arrays:
         raise ValueError(f"{fn}: tensors must not be empty")
     check_op(op, DTYPES[arrays[0].dtype].kind, arrays[0].dtype.name, fn)
@@ -521,7 +529,7 @@ def all_reduce_coalesced(
     for a in arrays:
         backs.append((packed[offset : offset + a.size], a))
         offset += a.size
-    w = pg.impl.all_reduce(packed, backs, op, async_op)
+    w = pg.impl.all_reduce(packed, backs + devices, op, async_op)
     if w is not None:
         w._outputs = list(tensors)
     return w
@@ -542,10 +550,14 @@ def all_gather_coalesced(
     if pg is None:
         return absent(group, fn)
     n = pg.impl.size
-    ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False)
+    devices: list[Any] = []
+    ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False, devices=[])
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:
         raise ValueError(f"{fn}: output_tensor_lists must be a list with one list per rank ({n})")
-    outs = [_flat_list(lst, fn, f"output_tensor_lists[{r}]", writeable=True) for r, lst in enumerate(output_tensor_lists)]
+    outs = [
+        _flat_list(lst, fn, f"output_tensor_lists[{r}]", writeable=True, devices=devices)
+        for r, lst in enumerate(output_tensor_lists)
+    ]
     dtype = ins[0].dtype if ins else np.dtype(np.uint8)
     for r, lst in enumerate(outs):
         if len(lst) != len(ins):
@@ -566,7 +578,7 @@ def all_gather_coalesced(
         for o in lst:
             backs.append((flat[offset : offset + o.size], o))
             offset += o.size
-    w = pg.impl.all_gather_into_tensor(flat, backs, packed, async_op)
+    w = pg.impl.all_gather_into_tensor(flat, backs + devices, packed, async_op)
     if w is not None:
         w._outputs = [output_tensor_lists]
     return w

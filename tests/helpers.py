@@ -4,6 +4,7 @@ and the array kinds (numpy arrays, torch CPU tensors) the same tests run on."""
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
+from mpidist._standin import HostCudaArray
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -199,6 +201,11 @@ def _torch_reverse_axes(t: Any) -> Any:
     return t.permute(*reversed(range(t.dim())))
 
 
+def _quiet_staging() -> None:
+    """Device-kind tests stage through host memory on purpose: no one-time warning for them."""
+    os.environ.setdefault("MPIDIST_DEVICE_STAGING", "quiet")
+
+
 @dataclass(frozen=True)
 class ArrayKind:
     """How the tests make, read and reshape one kind of array.
@@ -214,6 +221,7 @@ class ArrayKind:
     owns: Callable[[Any], bool]  # is this object an array of this kind
     reverse_axes: Callable[[Any], Any]  # a transposed (non-contiguous) view
     negative_strides: bool  # can views step backwards (x[::-1])
+    zero_copy: bool = True  # contiguous arrays reach MPI without a copy (device arrays: staged)
 
 
 ARRAY_KINDS: dict[str, ArrayKind] = {
@@ -238,6 +246,17 @@ ARRAY_KINDS: dict[str, ArrayKind] = {
             owns=_is_torch,
             reverse_axes=_torch_reverse_axes,
             negative_strides=False,
+        ),
+        ArrayKind(
+            name="device",  # mpidist.testing.HostCudaArray: the GPU path (staged over MPI), no GPU needed
+            requires=None,
+            setup=_quiet_staging,
+            from_numpy=lambda a: HostCudaArray(a),
+            to_numpy=lambda x: x.host.copy(),
+            owns=lambda x: isinstance(x, HostCudaArray),
+            reverse_axes=lambda x: HostCudaArray(x.host.T),
+            negative_strides=True,
+            zero_copy=False,
         ),
     )
 }

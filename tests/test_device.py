@@ -273,12 +273,22 @@ def test_bad_device_arrays_get_clear_errors(mode):
     ro.flags.writeable = False
     problems += check_raises(ValueError, r"^all_reduce: tensor is read-only", dist.all_reduce, HostCudaArray(ro))
     problems += check_raises(
-        TypeError, r"^all_reduce_coalesced: tensors\[0\] is a device array; all_reduce_coalesced takes host arrays",
-        dist.all_reduce_coalesced, [dev(np.ones(2))],
-    )  # fmt: skip
-    problems += check_raises(
         TypeError, r"^all_reduce: tensor has dtype object", dist.all_reduce, HostCudaArray(np.array([None, 1]))
     )
+    fail_together(problems)
+
+
+def test_coalesced_calls_stage_device_arrays(mode):
+    problems: list[str] = []
+    xs = [dev(np.full(2, float(RANK))), dev(np.full((2, 2), RANK, np.float64))]
+    dist.all_reduce_coalesced(xs)
+    total = float(sum(range(SIZE)))
+    expect(problems, "all_reduce_coalesced[0]", xs[0].host, np.full(2, total))
+    expect(problems, "all_reduce_coalesced[1]", xs[1].host, np.full((2, 2), total))
+    outs = [[dev(np.zeros(3))] for _ in range(SIZE)]
+    dist.all_gather_coalesced(outs, [dev(np.full(3, float(RANK)))])
+    for r in range(SIZE):
+        expect(problems, f"all_gather_coalesced[{r}]", outs[r][0].host, np.full(3, float(r)))
     fail_together(problems)
 
 
