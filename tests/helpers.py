@@ -222,6 +222,7 @@ class ArrayKind:
     reverse_axes: Callable[[Any], Any]  # a transposed (non-contiguous) view
     negative_strides: bool  # can views step backwards (x[::-1])
     zero_copy: bool = True  # contiguous arrays reach MPI without a copy (device arrays: staged)
+    device: bool = False  # GPU memory (or its stand-in)
 
 
 ARRAY_KINDS: dict[str, ArrayKind] = {
@@ -257,12 +258,15 @@ ARRAY_KINDS: dict[str, ArrayKind] = {
             reverse_axes=lambda x: HostCudaArray(x.host.T),
             negative_strides=True,
             zero_copy=False,
+            device=True,
         ),
     )
 }
 
 #: the array kinds every array test runs on (the ``array_kind`` fixture's params)
 KINDS: list[str] = list(ARRAY_KINDS)
+#: the kinds in host memory (for APIs that take host arrays only, such as the Lightning utilities)
+HOST_KINDS: list[str] = [k for k in KINDS if not ARRAY_KINDS[k].device]
 
 
 def require_kind(kind_name: str) -> ArrayKind:

@@ -29,6 +29,7 @@ from mpidist.reduce_op import OP_TABLE
 from helpers import (
     ALL_DTYPES,
     BF16,
+    HOST_KINDS,
     assert_equal,
     check_raises,
     fail_together,
@@ -41,6 +42,27 @@ from helpers import (
     to_kind,
     to_numpy,
 )
+
+
+@pytest.fixture(params=HOST_KINDS)
+def array_kind(request) -> str:
+    """The utilities take host arrays (numpy, CPU tensors); device arrays are refused (tested below)."""
+    require_kind(request.param)
+    return request.param
+
+
+def test_utilities_refuse_device_arrays():
+    from mpidist.testing import HostCudaArray
+
+    x = HostCudaArray(np.ones(2))
+    problems = []
+    for name, call in (
+        ("all_gather_ddp_if_available", lambda: dist.all_gather_ddp_if_available(x)),
+        ("gather_all_tensors", lambda: dist.gather_all_tensors(x)),
+        ("sync_ddp", lambda: dist.sync_ddp(x)),
+    ):
+        problems += check_raises(TypeError, rf"^{name}: \w+ is a device array; {name} takes host arrays", call)
+    fail_together(problems)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -61,6 +61,17 @@ def _overlapping(arrays: Sequence[DeviceArray]) -> bool:
     return any(d1 == d2 and s2 < e1 for (d1, _, e1), (d2, s2, _) in zip(spans, spans[1:]))
 
 
+def _distinct_outputs(outs: Sequence[Any] | None, fn: str, arg: str) -> None:
+    """Refuse device outputs that overlap (staging would hide it; the MPI backend refuses it for host ones)."""
+    if not outs:
+        return
+    spans = sorted((a.device, a.ptr, a.ptr + a.nbytes, i) for i, a in enumerate(outs) if type(a) is DeviceArray and a.nbytes)
+    for (d1, _, end, i), (d2, start, _, j) in zip(spans, spans[1:]):
+        if d1 == d2 and start < end:
+            i, j = min(i, j), max(i, j)
+            raise ValueError(f"{fn}: {arg}[{i}] and {arg}[{j}] overlap in memory; every output needs its own memory")
+
+
 class _Call:
     """The conversion of one call's arguments: host messages, and write-backs to run afterwards."""
 
@@ -184,6 +195,7 @@ class MPIDeviceBackend(BaseBackend):
         return self._finish(self.inner.reduce(h, c.merged(backs), op, root, async_op), c)
 
     def all_gather(self, outs: Sequence[Any], backs: Any, inp: Any, async_op: bool) -> Work | None:
+        _distinct_outputs(outs, "all_gather", "tensor_list")
         c = self._call("all_gather", _devices(outs, inp))
         i, o = c.inp(inp), c.outputs(outs)
         return self._finish(self.inner.all_gather(o, c.merged(backs), i, async_op), c)
@@ -194,6 +206,7 @@ class MPIDeviceBackend(BaseBackend):
         return self._finish(self.inner.all_gather_into_tensor(o, c.merged(backs), i, async_op), c)
 
     def gather(self, inp: Any, outs: Sequence[Any] | None, backs: Any, root: int, async_op: bool) -> Work | None:
+        _distinct_outputs(outs, "gather", "gather_list")
         c = self._call("gather", _devices(outs, inp))
         i, o = c.inp(inp), c.outputs(outs)
         return self._finish(self.inner.gather(i, o, c.merged(backs), root, async_op), c)
@@ -221,6 +234,7 @@ class MPIDeviceBackend(BaseBackend):
         return self._finish(self.inner.all_to_all_single(o, c.merged(backs), i, out_counts, in_counts, async_op), c)
 
     def all_to_all(self, outs: Sequence[Any], backs: Any, ins: Sequence[Any], async_op: bool) -> Work | None:
+        _distinct_outputs(outs, "all_to_all", "output_tensor_list")
         c = self._call("all_to_all", _devices(outs, ins))
         i, o = c.inputs(ins), c.outputs(outs)
         return self._finish(self.inner.all_to_all(o, c.merged(backs), i, async_op), c)
