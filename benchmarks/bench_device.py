@@ -2,12 +2,15 @@
 
 Run:  mpiexec -n 2 python benchmarks/bench_device.py [--backend nccl|mpi|cpu:mpi,cuda:nccl]
       mpiexec -n 2 python benchmarks/bench_device.py --host      # the same table on numpy arrays
+      mpiexec -n 2 python benchmarks/bench_device.py --standin   # on mpidist's device stand-in
 
 Each rank allocates its buffers with ``cupy.empty`` on the GPU of its node-local
 rank (local rank modulo the GPUs it sees). Without cupy or a CUDA device the
 script prints one line, ``skipped: no GPU (cupy/CUDA not available)``, and exits 0;
 ``--host`` runs the identical table on numpy arrays instead (it tests the script
-anywhere and gives the host baseline).
+anywhere and gives the host baseline), and ``--standin`` on
+``mpidist.testing.HostCudaArray`` (host memory that mpidist treats as device memory,
+so the device path of the MPI backend runs without a GPU).
 
 Definitions (nccl-tests, doc/PERFORMANCE.md), for a collective over n ranks:
 
@@ -101,6 +104,29 @@ class Host:
 
     def download(self, a: Any) -> np.ndarray:
         return a
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StandIn:
+    """Array namespace for --standin: ``mpidist.testing.HostCudaArray``, host memory that mpidist treats as GPU memory."""
+
+    name = "device stand-in (HostCudaArray: host memory through the device path)"
+
+    def __init__(self) -> None:
+        from mpidist.testing import HostCudaArray
+
+        self.cls = HostCudaArray
+
+    def empty(self, k: int, dtype: Any) -> Any:
+        return self.cls(np.empty(k, dtype))
+
+    def upload(self, dst: Any, src: np.ndarray) -> None:
+        dst.host[...] = src
+
+    def download(self, a: Any) -> np.ndarray:
+        return a.get()
 
     def synchronize(self) -> None:
         pass
@@ -241,7 +267,13 @@ def main() -> int:
     parser.add_argument(
         "--backend", help="init_process_group backend (default: 'cpu:mpi,cuda:nccl'; 'mpi' with --host)"
     )
-    parser.add_argument("--host", action="store_true", help="numpy arrays instead of cupy device arrays")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--host", action="store_true", help="numpy arrays instead of cupy device arrays")
+    kind.add_argument(
+        "--standin",
+        action="store_true",
+        help="mpidist.testing.HostCudaArray instead of cupy: mpidist's device path on host memory (tests it without a GPU)",
+    )
     parser.add_argument("--ops", nargs="*", default=OPS, choices=OPS)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("-b", "--min-bytes", type=parse_bytes, default=8, help="smallest size S (default 8)")
@@ -267,6 +299,8 @@ def main() -> int:
     arrays: Any
     if args.host:
         arrays = Host()
+    elif args.standin:
+        arrays = StandIn()
     else:
         cupy, why = find_gpu()
         whys = world_comm.allgather(why)
@@ -281,7 +315,7 @@ def main() -> int:
 
     import mpidist as dist
 
-    backend = args.backend or ("mpi" if args.host else "cpu:mpi,cuda:nccl")
+    backend = args.backend or ("mpi" if args.host or args.standin else "cpu:mpi,cuda:nccl")
     try:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=args.timeout))
     except Exception as exc:

@@ -4,14 +4,15 @@ Run:  mpiexec -n 2 python benchmarks/profile_torch_overhead.py [--trials 15] [--
 
 Three parts, all on 8-byte float32 messages:
 
-1. End to end (both ranks, interleaved trials, slowest rank, medians): ``dist.all_reduce``
-   and ``dist.broadcast`` on a numpy array and on a torch tensor, and a *prototype* of a
-   torch fast lane: the tensor's numpy view handed to the backend's ``fast_*`` method
-   after the checks that lane would need. The prototype lives only in this script; it
-   bounds what a torch fast lane in mpidist could save.
-2. The pieces (rank 0, no MPI traffic, timeit minimum of 5 repeats): what each step of
-   the torch path costs on its own (``Tensor.numpy()``, ``t.device.type``, the
-   adapter, ``prepare_inout``, ...).
+1. End to end (both ranks, interleaved trials, slowest rank, medians) for all_reduce,
+   broadcast and all_gather_into_tensor: a numpy array; a plain torch tensor (the fast
+   lane, through ``_arrays.host_view``); a tensor with ``requires_grad=True`` (refused by
+   ``Tensor.numpy()``, so it takes the general lane); and two bounds that exist only in
+   this script: the backend's fast lane on a numpy view made once (what caching views
+   could at most save) and, for the pair collective, the fast lane with a ``data_ptr``
+   interval test in place of ``numpy.may_share_memory``.
+2. The pieces (rank 0 while the others sleep, timeit minimum of 5 repeats): what each
+   step costs on its own (``Tensor.numpy()``, ``host_view``, the general adapter, ...).
 3. With ``--cprofile``: rank 0's profile of 20,000 torch all_reduce calls, top functions
    by own time (cProfile's per-call overhead inflates small functions; use it for the
    shape of the call tree, parts 1 and 2 for the numbers).
@@ -49,122 +50,62 @@ def time_block(fn: Callable[[], Any], iters: int, comm: MPI.Comm) -> float:
     return comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
 
 
-def torch_fast_view(t: Any) -> Any:
-    """The proposed ``_arrays`` helper: ``t.numpy()`` if the fast lane may hand it to MPI as it is, else None.
+def interval_pair_all_gather(out: Any, inp: Any) -> None:
+    """Bound: all_gather_into_tensor's fast lane with an exact aliasing test on the tensors' memory.
 
-    Exact ``torch.Tensor``, strided, no autograd (``requires_grad`` tensors need
-    ``detach()`` first), on the CPU, contiguous, no lazy conj/neg bit, a dtype numpy
-    has (bfloat16 is left to the general lane). Cheapest and most selective checks first.
+    The views of two contiguous tensors occupy ``[data_ptr, data_ptr + nbytes)``; two
+    interval comparisons replace ``numpy.may_share_memory`` (needed today because a
+    tensor's view always has a base). Plain contiguous float32 tensors only.
     """
-    if (
-        type(t) is not TENSOR
-        or t.layout is not STRIDED
-        or t.requires_grad
-        or not t.is_cpu
-        or not t.is_contiguous()
-        or t.is_conj()
-        or t.is_neg()
-        or t.dtype not in PLAIN_DTYPES
-    ):
-        return None
-    return t.numpy()
-
-
-def torch_fast_pair(out: Any, inp: Any) -> Any:
-    """Views of two tensors for the two-array fast lane, if their memory certainly does not overlap.
-
-    Contiguous tensors occupy ``[data_ptr, data_ptr + nbytes)``, so two intervals
-    decide aliasing exactly (numpy's ``base`` test cannot: a tensor's view has the
-    tensor as its base).
-    """
-    o = torch_fast_view(out)
-    i = None if o is None else torch_fast_view(inp)
-    if i is None:
-        return None
+    impl = world.default_pg.impl
+    o, i = out.numpy(), inp.numpy()
     po, pi = out.data_ptr(), inp.data_ptr()
     if po < pi + inp.nbytes and pi < po + out.nbytes:
-        return None
-    return o, i
-
-
-TENSOR = torch.Tensor
-STRIDED = torch.strided
-PLAIN_DTYPES = frozenset(
-    d for d in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-                torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128)
-)  # fmt: skip
-
-
-def proto_all_reduce(tensor: Any, op: Any = SUM, group: Any = None, async_op: bool = False) -> Any:
-    """dist.all_reduce with the proposed change: a plain tensor takes the fast lane as its numpy view."""
-    impl = world.default_pg.impl  # the prototypes take the default group only
-    v = tensor if type(tensor) is np.ndarray else torch_fast_view(tensor)
-    w = NotImplemented if v is None else impl.fast_all_reduce(v, op, async_op)
-    if w is NotImplemented:
-        return dist.all_reduce(tensor, op, group, async_op)
-    if w is not None:
-        w._outputs = [tensor]
-    return w
-
-
-def proto_broadcast(tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Any:
-    impl = world.default_pg.impl  # the prototypes take the default group only
-    v = tensor if type(tensor) is np.ndarray else torch_fast_view(tensor)
-    w = NotImplemented if v is None else impl.fast_broadcast(v, src, async_op)
-    if w is NotImplemented:
-        return dist.broadcast(tensor, src, group, async_op)
-    if w is not None:
-        w._outputs = [tensor]
-    return w
-
-
-def proto_all_gather_into_tensor(out: Any, inp: Any, group: Any = None, async_op: bool = False) -> Any:
-    """The two-array variant: what fast_all_gather_into_tensor would do after torch_fast_pair."""
-    impl = world.default_pg.impl
-    pair = torch_fast_pair(out, inp)
-    if pair is None:
-        return dist.all_gather_into_tensor(out, inp, group, async_op)
-    o, i = pair
-    e = impl._types.get(o.dtype)
-    if e is None or not e.direct or o.size != impl.size * i.size:
-        return dist.all_gather_into_tensor(out, inp, group, async_op)
+        raise RuntimeError("overlapping buffers: not what this bound measures")
     impl.seq += 1
     req = impl._iallgather(i, o)
     if not req.Test():
         impl._wait("all_gather_into_tensor", req, (i, o))
-    return None
 
 
 def end_to_end(comm: MPI.Comm, trials: int, iters: int) -> dict[str, float]:
     n = comm.Get_size()
+    impl = world.default_pg.impl
     a = np.ones(2, np.float32)
-    t = torch.ones(2, dtype=torch.float32)
+    t = torch.ones(2)
+    g = torch.ones(2, requires_grad=True)
+    v = t.numpy()  # made once
     ga, gao = np.ones(2, np.float32), np.empty(2 * n, np.float32)
     gt, gto = torch.ones(2), torch.empty(2 * n)
+    gg, ggo = torch.ones(2, requires_grad=True), torch.empty(2 * n, requires_grad=True)
+    gv, gvo = gt.numpy(), gto.numpy()
     calls = {
         "all_reduce numpy": lambda: dist.all_reduce(a),
         "all_reduce torch": lambda: dist.all_reduce(t),
-        "all_reduce torch, proposed fast lane": lambda: proto_all_reduce(t),
+        "all_reduce torch requires_grad (general lane)": lambda: dist.all_reduce(g),
+        "all_reduce bound: fast lane on a view made once": lambda: impl.fast_all_reduce(v, SUM, False),
         "broadcast numpy": lambda: dist.broadcast(a, 0),
         "broadcast torch": lambda: dist.broadcast(t, 0),
-        "broadcast torch, proposed fast lane": lambda: proto_broadcast(t, 0),
+        "broadcast torch requires_grad (general lane)": lambda: dist.broadcast(g, 0),
+        "broadcast bound: fast lane on a view made once": lambda: impl.fast_broadcast(v, 0, False),
         "all_gather_into_tensor numpy": lambda: dist.all_gather_into_tensor(gao, ga),
         "all_gather_into_tensor torch": lambda: dist.all_gather_into_tensor(gto, gt),
-        "all_gather_into_tensor torch, proposed fast lane": lambda: proto_all_gather_into_tensor(gto, gt),
+        "all_gather_into_tensor torch requires_grad (general lane)": lambda: dist.all_gather_into_tensor(ggo, gg),
+        "all_gather_into_tensor bound: views made once": lambda: impl.fast_all_gather_into_tensor(gvo, gv, False),
+        "all_gather_into_tensor bound: data_ptr aliasing test": lambda: interval_pair_all_gather(gto, gt),
     }
-    # the prototypes compute what the real calls compute
-    for x in (a, t):
-        x[...] = 1 + comm.Get_rank()
-    proto_all_reduce(t)
-    dist.all_reduce(a)
-    ok = np.array_equal(t.numpy(), a)
-    gt[...] = torch.tensor([1.0, 2.0]) + comm.Get_rank()
-    ga[...] = gt.numpy()
-    proto_all_gather_into_tensor(gto, gt)
-    dist.all_gather_into_tensor(gao, ga)
-    ok = ok and np.array_equal(gto.numpy(), gao)
+    # every variant computes the same thing (checked once, on all ranks, before timing)
+    ok = True
+    for name in ("all_gather_into_tensor torch", "all_gather_into_tensor bound: data_ptr aliasing test"):
+        with torch.no_grad():
+            gt[...] = torch.tensor([1.0, 2.0]) + comm.Get_rank()
+            gto.zero_()
+        ga[...] = gt.numpy()
+        calls[name]()
+        dist.all_gather_into_tensor(gao, ga)
+        ok = ok and np.array_equal(gto.numpy(), gao)
     if not comm.allreduce(ok, op=MPI.LAND):
-        raise SystemExit("profile_torch_overhead: the prototype computed a different result")
+        raise SystemExit("profile_torch_overhead: a variant computed a different result")
     for fn in calls.values():
         time_block(fn, iters // 10, comm)
     names = list(calls)
@@ -184,33 +125,25 @@ def quiet_barrier(comm: MPI.Comm) -> None:
 
 def pieces() -> list[tuple[str, float]]:
     t = torch.ones(2, dtype=torch.float32)
+    o = torch.empty(4)
+    g = torch.ones(2, requires_grad=True)
     a = np.ones(2, np.float32)
-    v = t.numpy()
-    adapt = _arrays._adapt
+    v, w = t.numpy(), o.numpy()
     stmts = [
         "t.numpy()",
-        "t.device.type",
-        "t.is_cpu",
-        "t.layout",
-        "t.is_conj(); t.is_neg()",
-        "t.requires_grad",
-        "t.is_contiguous()",
-        "_arrays._torch_dtypes(torch).get(t.dtype)",
-        "adapt(t, 'all_reduce', 'tensor')",
+        "_arrays.host_view(t)",
+        "_arrays.host_view(a)",
+        "_arrays.host_view(g)  # numpy() raises: caught",
         "_arrays.prepare_inout(t, 'all_reduce', 'tensor')",
+        "_arrays.prepare_inout(g, 'all_reduce', 'tensor')",
         "_arrays.prepare_inout(a, 'all_reduce', 'tensor')",
-        "_arrays.prepare_input(t, 'broadcast', 'tensor')",
-        "_arrays.prepare_input(a, 'broadcast', 'tensor')",
-        "v.flags.c_contiguous",
-        "_arrays.may_overlap(v, t.numpy())",
-        "torch_fast_view(t)",
-        "torch_fast_pair(o, t)",
+        "np.may_share_memory(w, v)",
+        "o.data_ptr() < t.data_ptr() + t.nbytes and t.data_ptr() < o.data_ptr() + o.nbytes",
         "MPI.buffer.fromaddress(t.data_ptr(), t.nbytes)",
+        "t.layout; t.is_cpu; t.requires_grad; t.is_contiguous(); t.is_conj(); t.is_neg(); t.dtype",
+        "t.device.type",
     ]
-    env = {
-        "t": t, "o": torch.empty(4), "a": a, "v": v, "torch": torch, "_arrays": _arrays, "adapt": adapt, "MPI": MPI,
-        "torch_fast_view": torch_fast_view, "torch_fast_pair": torch_fast_pair,
-    }  # fmt: skip
+    env = {"t": t, "o": o, "g": g, "a": a, "v": v, "w": w, "np": np, "_arrays": _arrays, "MPI": MPI}
     out = []
     for stmt in stmts:
         n = 100_000
@@ -250,7 +183,7 @@ def main() -> int:
             base = e2e[f"{op} numpy"]
             for name, sec in e2e.items():
                 if name.startswith(op + " "):
-                    print(f"  {name:40s} {sec * 1e6:7.2f} us   {(sec - base) * 1e6:+6.2f} us vs numpy")
+                    print(f"  {name:58s} {sec * 1e6:7.2f} us   {(sec - base) * 1e6:+6.2f} us vs numpy")
     if rank == 0:
         print("\npieces (rank 0 alone, timeit, best of 5):")
         for stmt, sec in pieces():
