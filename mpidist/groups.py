@@ -9,6 +9,7 @@ calls) or, with ``use_local_synchronization=True``, ``MPI_Comm_create_group``
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from datetime import timedelta
 from typing import Any, Sequence
@@ -62,15 +63,18 @@ def make_group(
         store = PrefixStore(f"mpidist/group/{name}", world.store)
     options = BackendOptions(store, comm.Get_rank(), comm.Get_size(), timeout, name, list(ranks), comm)
     control_comm = comm.Dup()
+    impl = device_impl = None
     try:
         impl = create_backend(backend_name, options, pg_options)
-        device_impl = None
         cuda = devices.get("cuda", backend_name)
         if cuda != backend_name and (cuda != Backend.NCCL or nccl_available()):
             # e.g. cpu:mpi,cuda:nccl: made now, collectively. Without a usable NCCL (no GPU, no
             # cupy) the group still runs host arrays; a GPU array then gets a clear error.
             device_impl = create_backend(cuda, options, pg_options)
     except BaseException:
+        if impl is not None:
+            with contextlib.suppress(Exception):
+                impl.shutdown()
         control_comm.Free()
         comm.Free()
         raise

@@ -51,16 +51,23 @@ class ProcessGroup:
         self.host_ok = "cpu" in devices
         self._device_factory = device_factory  # builds the backend for device arrays, on first use
         self.device_impl: BaseBackend | None = None
+        self._other_device_impl: BaseBackend | None = None
 
     def device_backend(self, fn: str, arr: Any) -> BaseBackend:
         """Return the backend for a call on device arrays (``arr`` is one of them), made on first use."""
         d = self.device_impl
         if d is None or not d.takes(arr):
+            other = self._other_device_impl  # e.g. stand-in arrays on a group whose GPU backend is NCCL
+            if d is not None and other is not None and other.takes(arr):
+                return other
             if self._device_factory is None:
                 raise TypeError(f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays")
-            d = self._device_factory(self, fn, arr)
-            if self.device_impl is None:
-                self.device_impl = d
+            made = self._device_factory(self, fn, arr)
+            if d is None:
+                self.device_impl = made
+            else:
+                self._other_device_impl = made
+            d = made
         return d
 
     def host_backend(self, fn: str) -> BaseBackend:
@@ -90,8 +97,9 @@ class ProcessGroup:
         if self.destroyed:
             return
         self.destroyed = True
-        if self.device_impl is not None and self.device_impl is not self.impl:
-            self.device_impl.shutdown()
+        for d in (self._other_device_impl, self.device_impl):
+            if d is not None and d is not self.impl:
+                d.shutdown()
         self.impl.shutdown()
         self.control.shutdown()
         if self._comm is not None and not (self.impl.pending() or self.control.pending()):
