@@ -32,6 +32,10 @@ Definitions (nccl-tests, doc/PERFORMANCE.md), for a collective over n ranks:
 * ``#wrong``: elements that differ from the expected result in one verification
   call per row (inputs are small integers, exact in every dtype; summed over
   ranks). A row with wrong elements is not timed, and the run exits with status 1.
+* ``copies``: staging buffers mpidist counted per call on this rank (``world.stats``;
+  0: the buffers went to the library as they are, as with NCCL or a CUDA-aware MPI;
+  the MPI backend over an MPI that is not CUDA-aware stages device arrays through
+  host memory).
 
 All operations run out of place except all_reduce, broadcast and reduce, which
 mpidist (like torch.distributed) defines in place. Sizes go from ``--min-bytes``
@@ -314,6 +318,9 @@ def main() -> int:
         arrays = Device(cupy, local_rank)  # chosen before init_process_group: a device backend may bind to it
 
     import mpidist as dist
+    from mpidist._world import world
+
+    stats = world.stats  # staging copies (device arrays through host memory), per call in the table
 
     backend = args.backend or ("mpi" if args.host or args.standin else "cpu:mpi,cuda:nccl")
     try:
@@ -337,7 +344,7 @@ def main() -> int:
         if rank == 0:
             print(f"\n# {op} (busbw factor {busbw_factor(op, n):.3g})")
             print(f"# {'size (B)':>12s} {'count':>12s} {'type':>8s} {'time (us)':>11s} "
-                  f"{'algbw GB/s':>11s} {'busbw GB/s':>11s} {'#wrong':>7s}", flush=True)  # fmt: skip
+                  f"{'algbw GB/s':>11s} {'busbw GB/s':>11s} {'#wrong':>7s} {'copies':>7s}", flush=True)  # fmt: skip
         for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
             case = Case(op, nbytes, n, rank, dtype, arrays, dist)
             try:
@@ -365,14 +372,18 @@ def main() -> int:
             iters = iterations(case.bytes, args.iters)
             for _ in range(args.warmup):
                 case.call()
+            copies_before = stats.copies
             t = statistics.median(time_block(case.call, iters, arrays, comm, MPI.MAX) for _ in range(args.trials))
+            copies = (stats.copies - copies_before) / (iters * args.trials)
             algbw = case.bytes / t / 1e9
             busbw = algbw * busbw_factor(op, n)
-            row.update(time_s=t, iters=iters, trials=args.trials, algbw_gbps=algbw, busbw_gbps=busbw)
+            row.update(
+                time_s=t, iters=iters, trials=args.trials, algbw_gbps=algbw, busbw_gbps=busbw, copies_per_call=copies
+            )
             rows.append(row)
             if rank == 0:
                 print(f"  {case.bytes:12d} {case.count:12d} {args.dtype:>8s} {t * 1e6:11.2f} "
-                      f"{algbw:11.3f} {busbw:11.3f} {wrong:7d}", flush=True)  # fmt: skip
+                      f"{algbw:11.3f} {busbw:11.3f} {wrong:7d} {copies:7.3g}", flush=True)  # fmt: skip
             del case
     if rank == 0:
         if args.json:
