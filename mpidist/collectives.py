@@ -216,7 +216,11 @@ def all_gather_into_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    w = impl.fast_all_gather_into_tensor(host_view(output_tensor), host_view(input_tensor), async_op)
+    w = impl.fast_all_gather_into_tensor(
+        output_tensor if type(output_tensor) is np.ndarray else host_view(output_tensor),
+        input_tensor if type(input_tensor) is np.ndarray else host_view(input_tensor),
+        async_op,
+    )
     if w is NotImplemented:
         out, target = prepare_output(output_tensor, fn, "output_tensor")
         inp = prepare_input(input_tensor, fn, "input_tensor")
@@ -344,7 +348,12 @@ def reduce_scatter_tensor(
     if pg is None:
         return absent(group, fn)
     impl = pg.impl
-    w = impl.fast_reduce_scatter_tensor(host_view(output), host_view(input), op, async_op)
+    w = impl.fast_reduce_scatter_tensor(
+        output if type(output) is np.ndarray else host_view(output),
+        input if type(input) is np.ndarray else host_view(input),
+        op,
+        async_op,
+    )
     if w is NotImplemented:
         out, target = prepare_output(output, fn, "output")
         inp = prepare_input(input, fn, "input")
@@ -405,7 +414,11 @@ def all_to_all_single(
         return absent(group, fn)
     impl = pg.impl
     if output_split_sizes is None and input_split_sizes is None:
-        w = impl.fast_all_to_all_single(host_view(output), host_view(input), async_op)
+        w = impl.fast_all_to_all_single(
+            output if type(output) is np.ndarray else host_view(output),
+            input if type(input) is np.ndarray else host_view(input),
+            async_op,
+        )
         if w is not NotImplemented:
             if w is not None:
                 w._outputs = [output]
