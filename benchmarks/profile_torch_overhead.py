@@ -8,9 +8,7 @@ Three parts, all on 8-byte float32 messages:
    broadcast and all_gather_into_tensor: a numpy array; a plain torch tensor (the fast
    lane, through ``_arrays.host_view``); the backend's fast lane on a numpy view made once
    (the bound on what caching views could save); tensors that ``Tensor.numpy()`` refuses
-   (``requires_grad=True``, bfloat16), as mpidist handles them now and with a proposed
-   change patched in for those blocks only (``proposed_host_view`` and
-   ``proposed_torch_array`` below; mpidist's files are not modified).
+   (``requires_grad=True``, bfloat16), which ``host_view`` routes without raising.
 2. The pieces (rank 0 while the others sleep, timeit minimum of 5 repeats): what each
    step costs on its own (``Tensor.numpy()``, ``host_view``, the general adapter, ...).
 3. With ``--cprofile``: rank 0's profile of 20,000 torch all_reduce calls, top functions
@@ -35,7 +33,7 @@ import torch
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist import _arrays, collectives
+from mpidist import _arrays
 from mpidist._world import world
 from mpidist.reduce_op import ReduceOp
 
@@ -48,78 +46,6 @@ def time_block(fn: Callable[[], Any], iters: int, comm: MPI.Comm) -> float:
     for _ in range(iters):
         fn()
     return comm.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
-
-
-# -- the proposal, patched in for the blocks that measure it (mpidist's files are not touched) --------
-CURRENT = {"host_view": collectives.host_view, "_torch_array": _arrays._torch_array}
-
-
-def proposed_host_view(x: Any) -> Any:
-    """``_arrays.host_view`` without exceptions for the common refusals.
-
-    ``Tensor.numpy()`` raising costs ~9 us (a C++ exception turned into a Python one).
-    Here a tensor that requires grad is detached first (torch.distributed acts on the
-    data; ~0.35 us) and keeps the fast lane; CUDA and bfloat16 tensors go straight to the
-    general lane (~50 ns of attribute tests instead of an exception).
-    """
-    if type(x) is np.ndarray:
-        return x
-    torch_ = sys.modules.get("torch")
-    if torch_ is not None and isinstance(x, torch_.Tensor):
-        t = x.detach() if x.requires_grad else x
-        if not t.is_cpu or t.dtype is torch_.bfloat16:
-            return x
-        try:
-            return t.numpy()
-        except (TypeError, RuntimeError):
-            return x
-    return x
-
-
-def proposed_torch_array(t: Any, torch_: Any, fn: str, arg: str) -> Any:
-    """``_arrays._torch_array`` that tries ``Tensor.numpy()`` only where the cheap tests say it works.
-
-    The checks after the attempt are the current function's, unchanged.
-    """
-    if not (t.requires_grad or not t.is_cpu or t.dtype is torch_.bfloat16):
-        try:
-            return t.numpy()
-        except (TypeError, RuntimeError):
-            pass
-    if getattr(t, "is_nested", False):
-        raise TypeError(f"{fn}: {arg} is a nested tensor")
-    if t.layout is not torch_.strided:
-        raise TypeError(f"{fn}: {arg} is a {t.layout} tensor")
-    kind = t.device.type
-    if kind not in ("cpu", "cuda"):
-        raise TypeError(f"{fn}: {arg} is a torch tensor on device {kind!r}")
-    if t.is_conj() or t.is_neg():
-        raise TypeError(f"{fn}: {arg} is a lazily conjugated or negated view")
-    dtype = _arrays._torch_dtypes(torch_).get(t.dtype)
-    if dtype is None:
-        raise TypeError(f"{fn}: {arg} has dtype {t.dtype}, which mpidist does not send")
-    if t.requires_grad:
-        t = t.detach()
-    if kind == "cuda":
-        from mpidist._device import from_torch_cuda
-
-        return from_torch_cuda(t, torch_, dtype, fn, arg)
-    if dtype.kind == "V":
-        return t.view(torch_.int16).numpy().view(dtype)
-    return t.numpy()
-
-
-def use_proposal(on: bool) -> None:
-    collectives.host_view = proposed_host_view if on else CURRENT["host_view"]
-    _arrays._torch_array = proposed_torch_array if on else CURRENT["_torch_array"]
-
-
-class Variant:
-    """One timed call, run with or without the proposal patched in."""
-
-    def __init__(self, fn: Callable[[], Any], proposal: bool = False) -> None:
-        self.fn = fn
-        self.proposal = proposal
 
 
 def end_to_end(comm: MPI.Comm, trials: int, iters: int) -> dict[str, float]:
@@ -135,56 +61,39 @@ def end_to_end(comm: MPI.Comm, trials: int, iters: int) -> dict[str, float]:
     gg, ggo = torch.ones(2, requires_grad=True), torch.empty(2 * n, requires_grad=True)
     gv, gvo = gt.numpy(), gto.numpy()
     calls = {
-        "all_reduce numpy": Variant(lambda: dist.all_reduce(a)),
-        "all_reduce torch": Variant(lambda: dist.all_reduce(t)),
-        "all_reduce bound: fast lane on a view made once": Variant(lambda: impl.fast_all_reduce(v, SUM, False)),
-        "all_reduce torch requires_grad": Variant(lambda: dist.all_reduce(g)),
-        "all_reduce torch requires_grad, proposal": Variant(lambda: dist.all_reduce(g), True),
-        "all_reduce torch bfloat16": Variant(lambda: dist.all_reduce(h)),
-        "all_reduce torch bfloat16, proposal": Variant(lambda: dist.all_reduce(h), True),
-        "broadcast numpy": Variant(lambda: dist.broadcast(a, 0)),
-        "broadcast torch": Variant(lambda: dist.broadcast(t, 0)),
-        "broadcast bound: fast lane on a view made once": Variant(lambda: impl.fast_broadcast(v, 0, False)),
-        "broadcast torch requires_grad": Variant(lambda: dist.broadcast(g, 0)),
-        "broadcast torch requires_grad, proposal": Variant(lambda: dist.broadcast(g, 0), True),
-        "all_gather_into_tensor numpy": Variant(lambda: dist.all_gather_into_tensor(gao, ga)),
-        "all_gather_into_tensor torch": Variant(lambda: dist.all_gather_into_tensor(gto, gt)),
-        "all_gather_into_tensor bound: views made once": Variant(
-            lambda: impl.fast_all_gather_into_tensor(gvo, gv, False)
-        ),
-        "all_gather_into_tensor torch requires_grad": Variant(lambda: dist.all_gather_into_tensor(ggo, gg)),
-        "all_gather_into_tensor torch requires_grad, proposal": Variant(
-            lambda: dist.all_gather_into_tensor(ggo, gg), True
-        ),
+        "all_reduce numpy": lambda: dist.all_reduce(a),
+        "all_reduce torch": lambda: dist.all_reduce(t),
+        "all_reduce bound: fast lane on a view made once": lambda: impl.fast_all_reduce(v, SUM, False),
+        "all_reduce torch requires_grad": lambda: dist.all_reduce(g),
+        "all_reduce torch bfloat16": lambda: dist.all_reduce(h),
+        "broadcast numpy": lambda: dist.broadcast(a, 0),
+        "broadcast torch": lambda: dist.broadcast(t, 0),
+        "broadcast bound: fast lane on a view made once": lambda: impl.fast_broadcast(v, 0, False),
+        "broadcast torch requires_grad": lambda: dist.broadcast(g, 0),
+        "all_gather_into_tensor numpy": lambda: dist.all_gather_into_tensor(gao, ga),
+        "all_gather_into_tensor torch": lambda: dist.all_gather_into_tensor(gto, gt),
+        "all_gather_into_tensor bound: views made once": lambda: impl.fast_all_gather_into_tensor(gvo, gv, False),
+        "all_gather_into_tensor torch requires_grad": lambda: dist.all_gather_into_tensor(ggo, gg),
     }
-    # the proposal computes what the current code computes (checked on all ranks before timing)
-    ok = True
-    for on in (False, True):
-        use_proposal(on)
-        with torch.no_grad():
-            g.fill_(1 + rank)
-            h.fill_(1 + rank)
-            gg.copy_(torch.tensor([1.0, 2.0]) + rank)
-            ggo.zero_()
-        dist.all_reduce(g)
-        dist.all_reduce(h)
-        dist.all_gather_into_tensor(ggo, gg)
-        want = [float(sum(range(1, n + 1)))] * 2
-        gathered = [x + r for r in range(n) for x in (1.0, 2.0)]
-        ok = ok and g.tolist() == want and h.float().tolist() == want and ggo.tolist() == gathered
-    use_proposal(False)
+    with torch.no_grad():  # tensors that numpy() refuses still get correct results
+        g.fill_(1 + rank)
+        h.fill_(1 + rank)
+        gg.copy_(torch.tensor([1.0, 2.0]) + rank)
+    dist.all_reduce(g)
+    dist.all_reduce(h)
+    dist.all_gather_into_tensor(ggo, gg)
+    want = [float(sum(range(1, n + 1)))] * 2
+    gathered = [x + r for r in range(n) for x in (1.0, 2.0)]
+    ok = g.tolist() == want and h.float().tolist() == want and ggo.tolist() == gathered
     if not comm.allreduce(ok, op=MPI.LAND):
-        raise SystemExit("profile_torch_overhead: the proposal computed a different result")
-    for var in calls.values():
-        use_proposal(var.proposal)
-        time_block(var.fn, iters // 10, comm)
+        raise SystemExit("profile_torch_overhead: a torch collective computed a wrong result")
+    for fn in calls.values():
+        time_block(fn, iters // 10, comm)
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for trial in range(trials):
         for name in names[trial % len(names) :] + names[: trial % len(names)]:
-            use_proposal(calls[name].proposal)
-            samples[name].append(time_block(calls[name].fn, iters, comm))
-    use_proposal(False)
+            samples[name].append(time_block(calls[name], iters, comm))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -206,10 +115,8 @@ def pieces() -> list[tuple[str, float]]:
         "t.numpy()",
         "_arrays.host_view(t)",
         "_arrays.host_view(a)",
-        "_arrays.host_view(g)  # requires_grad: numpy() raises, caught",
-        "_arrays.host_view(h)  # bfloat16: numpy() raises, caught",
-        "proposed_host_view(g)",
-        "proposed_host_view(h)",
+        "_arrays.host_view(g)  # requires_grad: a detached view",
+        "_arrays.host_view(h)  # bfloat16: left to the general lane, without raising",
         "_arrays.prepare_inout(t, 'all_reduce', 'tensor')",
         "_arrays.prepare_inout(g, 'all_reduce', 'tensor')",
         "_arrays.prepare_inout(h, 'all_reduce', 'tensor')",
@@ -222,7 +129,6 @@ def pieces() -> list[tuple[str, float]]:
     ]
     env = {
         "t": t, "o": o, "g": g, "h": h, "a": a, "v": v, "w": w, "np": np, "_arrays": _arrays, "MPI": MPI,
-        "proposed_host_view": proposed_host_view,
     }  # fmt: skip
     out = []
     for stmt in stmts:
