@@ -54,22 +54,32 @@ __all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
 BACKEND_NAME = "mpidist"
 
 _TorchRedOp = dist.ReduceOp.RedOpType
-#: torch's reduction kinds -> mpidist's (same numbering; PREMUL_SUM also carries its factor)
-_OPS = {getattr(_TorchRedOp, r.name): r for r in RedOpType if hasattr(_TorchRedOp, r.name)}
-_PREMUL = _TorchRedOp.PREMUL_SUM
+#: torch's reduction kinds by number -> mpidist's (the same numbering; PREMUL_SUM also carries a factor)
+_OPS = tuple(RedOpType[k.name] if k.name in RedOpType.__members__ else None for k in sorted(
+    _TorchRedOp.__members__.values(), key=lambda k: k.value))
+_PREMUL = int(_TorchRedOp.PREMUL_SUM.value)
+_AllreduceOptions = dist.AllreduceOptions
 _get_ident = threading.get_ident
 _UNSET = timedelta(milliseconds=-1)  # torch's kUnsetTimeout: use the group's timeout
 
 
 def _op(reduce_op: Any, fn: str) -> Any:
-    """mpidist's op for torch's ``opts.reduceOp`` (a ReduceOp, or a bare RedOpType)."""
-    kind = getattr(reduce_op, "op", reduce_op)
-    op = _OPS.get(kind)
-    if op is None:
-        raise ValueError(f"{fn}: unsupported reduction {reduce_op!r}")
+    """mpidist's op for torch's ``opts.reduceOp`` (a ReduceOp, or a bare RedOpType); hot path."""
+    kind = getattr(reduce_op, "op", reduce_op).value
     if kind == _PREMUL:
         return make_premul_sum(reduce_op.factor)
+    op = _OPS[kind] if 0 <= kind < len(_OPS) else None
+    if op is None:
+        raise ValueError(f"{fn}: unsupported reduction {reduce_op!r}")
     return op
+
+
+def _allreduce_options(op: Any) -> Any:
+    """Options for ``pg.allreduce(tensor)``/``pg.allreduce(tensors, op)`` (returns a Work, as torch does)."""
+    opts = _AllreduceOptions()
+    if op is not None:
+        opts.reduceOp = op
+    return opts
 
 
 def _one(tensors: Any, fn: str, arg: str = "tensors") -> Any:
@@ -158,13 +168,15 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
 
     # -- collectives -----------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> TorchWork | None:
-        t = _one(tensors, "allreduce")
-        if opts is None or not hasattr(opts, "asyncOp"):  # pg.allreduce(tensor[, op])
-            op, async_op = (dist.ReduceOp.SUM if opts is None else opts), True
-        else:
-            op, async_op = opts.reduceOp, opts.asyncOp
-        w = C.all_reduce(t, _op(op, "allreduce"), self._lane(), async_op)
-        return self._work(w, [t] if isinstance(tensors, torch.Tensor) else tensors, "allreduce")
+        if type(opts) is not _AllreduceOptions:  # pg.allreduce(tensor[, op]): torch's convenience forms
+            opts = _allreduce_options(opts)
+        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else _one(tensors, "allreduce")
+        w = C.all_reduce(
+            t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
+        )
+        if w is None:
+            return None
+        return self._work(w, tensors if type(tensors) is list else [t], "allreduce")
 
     def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> TorchWork | None:
         w = C.all_reduce_coalesced(tensors, _op(opts.reduceOp, "allreduce_coalesced"), self._lane(), opts.asyncOp)
