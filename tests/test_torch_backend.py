@@ -82,8 +82,10 @@ def test_backend_is_registered_and_serves_the_default_group(pg):
     if tdist.get_rank() != RANK or tdist.get_world_size() != SIZE:
         problems.append(f"rank/size {tdist.get_rank()}/{tdist.get_world_size()}")
     # torch keeps a Python ProcessGroup from the creator as the group itself
-    if not isinstance(pg, mpidist_torch.ProcessGroupMPIDist) or pg.mpidist_group is not dist.group.WORLD:
+    if not isinstance(pg, mpidist_torch.ProcessGroupMPIDist) or pg.mpidist_group.size() != SIZE:
         problems.append(f"the default group is {pg!r}")
+    elif pg.mpidist_group is dist.group.WORLD or pg.mpidist_group.timeout != TIMEOUT:
+        problems.append("mpidist was started first: torch's default group must be its own, with torch's timeout")
     fail_together(problems)
 
 

@@ -115,12 +115,13 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     (its ``mpi_comm`` is the group's MPI communicator).
     """
 
-    def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool) -> None:
+    def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool, default: bool = False) -> None:
         super().__init__(main.rank(), main.size())
         self._main = main
         self._side = side
         self._backend_name = backend_name
         self._owns_world = owns_world
+        self._default = default  # torch's default group
         self._group_name = ""
         self._group_desc = ""
         self._coalesced: list[Any] | None = None  # works between _start_coalescing and _end_coalescing
@@ -317,13 +318,12 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        default = self._main is world.default_pg
-        if default:
-            engine.drain()
-        for g in (self._side, None if default else self._main):
+        if self._default:
+            engine.drain()  # torch's default group: finish every queued work and callback first
+        for g in (self._side, None if self._owns_world else self._main):
             if g is not None and not g.destroyed:
                 _destroy(g)
-        if default and self._owns_world and world.default_pg is not None:
+        if self._owns_world and world.default_pg is not None:
             _destroy()
 
     def abort(self) -> None:
@@ -338,28 +338,31 @@ def create_process_group(
 ) -> ProcessGroupMPIDist:
     """Build the torch group over global ``ranks`` ([] for the default group); members only.
 
-    The default group uses mpidist's default group, initializing it (with
-    ``store`` for worlds started without an MPI launcher) unless the program
-    already did; other groups are made by their members alone
-    (``MPI_Comm_create_group``), as torch calls the creator on members only.
+    The default group is mpidist's default group when torch starts mpidist
+    (with ``store`` for worlds started without an MPI launcher, and torch's
+    ``timeout``); when the program had already started mpidist, it is a new
+    group over all ranks with torch's timeout (mpidist's own calls and torch's
+    then never share a communicator). Other groups are made by their members
+    alone (``MPI_Comm_create_group``), as torch calls the creator on members only.
     """
     if not ranks:
         owns = world.default_pg is None
         if owns:
             _init(timeout=timeout, store=store, rank=rank, world_size=size)
-        main = world.default_pg
-        if size > 0 and main.size() != size:
+        everyone = world.default_pg
+        if size > 0 and everyone.size() != size:
             raise ValueError(
                 f"init_process_group: torch asked for a world of {size} processes but mpidist's default group "
-                f"has {main.size()}; destroy mpidist's group first or start the job with {size} processes"
+                f"has {everyone.size()}; destroy mpidist's group first or start the job with {size} processes"
             )
-        members = list(range(main.size()))
+        members = list(range(everyone.size()))
+        main = everyone if owns else new_group(members, timeout=timeout)
     else:
         owns = False
         members = list(ranks)
         main = new_group(members, timeout=timeout, use_local_synchronization=True)
     side = new_group(members, timeout=timeout, use_local_synchronization=True)
-    return ProcessGroupMPIDist(main, side, backend_name, owns)
+    return ProcessGroupMPIDist(main, side, backend_name, owns, default=not ranks)
 
 
 def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGroupMPIDist:
