@@ -656,3 +656,56 @@ def test_import_guard_and_import_mpidist_stays_light(tmp_path):
     if out.stdout.strip() != "[]":
         problems.append(f"import mpidist imported {out.stdout} {out.stderr[-300:]}")
     fail_together(problems)
+
+
+def test_bf16_hooks_are_refused_by_torch_on_cpu_on_every_backend(pgs):
+    """torch checks for CUDA/NCCL in bf16_compress_hook/_wrapper itself: documented, the same as on gloo."""
+    outcomes = []
+    for group in pgs:
+        for hook in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)):
+            model = DDP(Net(), process_group=group)
+            outcomes.append(outcome(model.register_comm_hook, group, hook))
+    half = len(outcomes) // 2
+    problems = [] if outcomes[:half] == outcomes[half:] else [f"mpidist {outcomes[:half]} vs gloo {outcomes[half:]}"]
+    if torch.cuda.is_available() is False and not all(isinstance(o, str) and o.startswith("TypeError") for o in outcomes):
+        problems.append(f"torch accepted a bf16 hook on CPU: {outcomes}")
+    fail_together(problems)
+
+
+def test_bad_input_raises_the_same_clear_error_on_every_rank(pg):
+    problems = []
+    backend = pg
+    cases = [
+        (ValueError, r"^allreduce: tensors must hold exactly one tensor per process", backend.allreduce,
+         [torch.ones(2), torch.ones(2)]),
+        (TypeError, r"^all_reduce: .*float8_e5m2, which mpidist does not send", tdist.all_reduce, torch.ones(2).to(torch.float8_e5m2)),
+        (TypeError, r"sparse", tdist.all_reduce, torch.ones(2).to_sparse()),
+    ]  # fmt: skip
+    for exc, pattern, fn, arg in cases:
+        try:
+            fn(arg)
+            problems.append(f"{fn.__name__}({arg!r:.40}) was accepted")
+        except exc as e:
+            if not __import__("re").search(pattern, str(e)):
+                problems.append(f"{fn.__name__}: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - the wrong kind of error
+            problems.append(f"{fn.__name__}: {type(e).__name__}: {e}")
+    t = torch.ones(2)
+    tdist.all_reduce(t)  # the group is still usable, nothing was left in flight
+    if t.tolist() != [SIZE, SIZE]:
+        problems.append(f"after the errors: {t}")
+    fail_together(problems)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the device path is tested with stand-ins")
+def test_cuda_tensors_take_the_device_path(pg):
+    dev = torch.device("cuda", 0)
+    t = torch.full((1024,), RANK + 1.0, device=dev)
+    tdist.all_reduce(t)
+    out = torch.empty(2 * SIZE, device=dev)
+    tdist.all_gather_into_tensor(out, torch.full((2,), float(RANK), device=dev))
+    expected = torch.arange(SIZE, dtype=torch.float32).repeat_interleave(2)
+    problems = [] if bool((t == SIZE * (SIZE + 1) / 2).all()) else [f"all_reduce {t[:4]}"]
+    if not torch.equal(out.cpu(), expected):
+        problems.append(f"all_gather_into_tensor {out}")
+    fail_together(problems)
