@@ -14,7 +14,7 @@ step time (forward + backward, which includes DDP's gradient all-reduce) on each
 backend, and the *exposed* communication: step time minus the same step under
 ``no_sync()`` (no communication). "alone" is one all-reduce of all the gradients
 with nothing else running, and overlap is the share of it hidden behind the
-backward pass (1 - exposed / alone; hooks that compress send less). PowerSGD rows use torch's hook
+backward pass (1 - exposed / alone; not shown for hooks, which send less). PowerSGD rows use torch's hook
 (``matrix_approximation_rank=1``), fp16 rows ``fp16_compress_hook``. gloo runs
 PowerSGD serialized (each bucket's hook completes before the next bucket's
 starts): as torch schedules it, its follow-up all-reduces run on gloo's worker
@@ -180,7 +180,11 @@ def ddp_table(gloo: Any, trials: int, steps: int) -> list[str]:
         rows.append(
             f"| {hook} | {med['mpidist']:.1f} ms | {med['gloo']:.1f} ms | {med['nocomm']:.1f} ms | "
             f"{ex['mpidist']:.1f} ms | {ex['gloo']:.1f} ms | {ex['mpidist'] / ex['gloo']:.2f} | "
-            f"{med['alone']:.1f} ms | {max(0.0, 1 - ex['mpidist'] / med['alone']):.0%} |"
+            + (
+                f"{med['alone']:.1f} ms | {max(0.0, 1 - ex['mpidist'] / med['alone']):.0%} |"
+                if hook == "none"
+                else "— | — |"
+            )
         )
         if COMM.Get_rank() == 0:
             print(rows[-1], flush=True)
