@@ -880,6 +880,6 @@ def test_prefix_store_arguments_and_timeout():
         store.wait(["k"])
     assert store.prefix == "p"
     problems = check_raises(TypeError, r"^PrefixStore: prefix must be a str, got int$", PrefixStore, 1, base)
-    problems += check_raises(TypeError, r"^PrefixStore: store must be an mpidist store .*got dict$",
+    problems += check_raises(TypeError, r"^PrefixStore: store must be a key-value store .*got dict$",
                              PrefixStore, "p", {})  # fmt: skip
     assert not problems, problems

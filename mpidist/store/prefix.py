@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 from .base import MissingKeysError, Store
+from .foreign import as_store
 
 __all__ = ["PrefixStore"]
 
@@ -29,7 +30,8 @@ class PrefixStore(Store):
     Args:
         prefix: the prefix (a str).
         store: the underlying store: any :class:`~mpidist.store.Store`, a
-            PrefixStore included.
+            PrefixStore included, or a store with torch's interface (wrapped in
+            a :class:`~mpidist.store.foreign.ForeignStore`).
 
     Example::
 
@@ -45,10 +47,13 @@ class PrefixStore(Store):
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore: prefix must be a str, got {type(prefix).__name__}")
         if not isinstance(store, Store):
-            raise TypeError(
-                f"PrefixStore: store must be an mpidist store (HashStore, FileStore, TCPStore, PrefixStore), "
-                f"got {type(store).__name__}"
-            )
+            try:
+                store = as_store(store)
+            except TypeError:
+                raise TypeError(
+                    "PrefixStore: store must be a key-value store (HashStore, FileStore, TCPStore, PrefixStore, "
+                    f"or one with torch's set/get/add/wait), got {type(store).__name__}"
+                ) from None
         super().__init__(store.timeout)
         self._prefix = prefix
         self._store = store

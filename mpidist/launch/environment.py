@@ -1,0 +1,119 @@
+"""The environment torchrun gives a program, for programs started by an MPI launcher.
+
+Programs written for torchrun read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ... from the environment. Under ``mpiexec``, ``mpirun`` or
+``srun`` nobody sets them. :func:`torchrun_environment` derives them from MPI
+(one collective: the shared-memory split gives the local ranks, rank 0 picks a
+free port) and :func:`fill_environment` sets the ones the user has not set;
+a value already in the environment is never overridden.
+
+Example (``mpiexec -n 2``)::
+
+    >>> from mpidist.launch.environment import fill_environment
+    >>> fill_environment()
+    >>> os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]
+    ('0', '2')
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Mapping
+
+__all__ = ["TORCHRUN_VARIABLES", "torchrun_environment", "fill_environment", "free_port"]
+
+#: what torchrun sets for every worker, and what this module provides
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago (bind to port 0 and ask)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_environment(comm: Any = None) -> dict[str, str]:
+    """Return torchrun's variables for this process, derived from MPI (collective over ``comm``).
+
+    ``comm`` defaults to a private duplicate of ``MPI.COMM_WORLD`` (MPI is
+    initialized if it is not yet). Every process of the communicator must call it.
+    ``MASTER_ADDR`` is ``127.0.0.1`` on one node, else rank 0's address;
+    ``MASTER_PORT`` is rank 0's ``MASTER_PORT`` if it has one, else a free port
+    there. Nodes are numbered by their lowest rank.
+    """
+    from .._boot import start_mpi
+
+    mpi = start_mpi()
+    own = comm is None
+    if own:
+        comm = mpi.COMM_WORLD.Dup()
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
+        try:
+            local_rank, local_size = node.Get_rank(), node.Get_size()
+            leader = node.bcast(rank, root=0)  # the lowest rank of this node
+        finally:
+            node.Free()
+        proposal = None
+        if rank == 0:
+            port = os.environ.get("MASTER_PORT", "").strip()
+            proposal = (socket.gethostname(), port if port.isdigit() else str(free_port()))
+        leaders = sorted(r for r in comm.allgather(rank if local_rank == 0 else None) if r is not None)
+        host0, port = comm.bcast(proposal, root=0)
+    finally:
+        if own:
+            comm.Free()
+    nodes = len(leaders)
+    node_rank = leaders.index(leader)  # nodes numbered by their lowest rank
+    address = "127.0.0.1" if nodes == 1 else _address_of(host0)
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "GROUP_RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": address,
+        "MASTER_PORT": port,
+    }
+
+
+def _address_of(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def fill_environment(values: Mapping[str, str] | None = None, environ: Any = None) -> dict[str, str]:
+    """Set every torchrun variable missing from ``environ`` (default ``os.environ``); return what was set.
+
+    ``values`` defaults to :func:`torchrun_environment` (collective: every
+    process must call this). Values the user set are never changed.
+    """
+    environ = os.environ if environ is None else environ
+    if values is None:
+        values = torchrun_environment()
+    added = {k: v for k, v in values.items() if not environ.get(k, "").strip()}
+    environ.update(added)
+    return added

@@ -1,0 +1,208 @@
+"""The progress thread of the torch backend, and the Future it completes.
+
+torch's machinery starts an operation, asks for its Future and chains callbacks
+onto it (DDP's reducer, its communication hooks, FSDP), then waits much later,
+often from C++. MPI moves data only while someone calls into it, so one thread
+per process, the *engine*, drives every asynchronous operation of the torch
+backend to completion and then completes its Future. That is what lets DDP's
+bucket all-reduces overlap the rest of the backward pass.
+
+Callbacks are the delicate part. A callback may start collectives itself
+(PowerSGD's chained all-reduces, which it waits for inside the callback). MPI
+needs every rank to start the collectives of a communicator in the same order,
+so where and when callbacks run must not depend on timing:
+
+* Callbacks added with :meth:`TorchFuture.then` or ``add_done_callback`` never
+  run in the program's thread. They are queued, in program order, behind the
+  completion of every operation started before them, and the engine runs the
+  queue strictly in order: the k-th callback runs after the same operations
+  have completed on every rank, whatever the timing.
+* Collectives started *inside* a callback (on the engine thread) go to a second
+  communicator of the group (the side lane, see ``backend.py``), so the
+  program's own collectives and the callbacks' never interleave on one
+  communicator; each lane's order is fixed by program order and queue order.
+* The engine never waits for itself: an operation started on the engine thread
+  is driven there, inline, when the callback waits for it or chains onto it.
+
+Without ``MPI_THREAD_MULTIPLE`` there is no engine: an operation then completes
+when it is waited for or its Future is requested (no overlap), and callbacks
+run inline in that thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Engine", "TorchFuture", "engine"]
+
+log = logging.getLogger("mpidist")
+
+
+class Engine:
+    """The one progress thread of this process (started on the first asynchronous operation)."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition(threading.Lock())
+        self._queue: collections.deque[Any] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.ident: int | None = None  # the engine thread's ident, compared on every call
+        self.enabled: bool | None = None  # False without MPI_THREAD_MULTIPLE (decided on first use)
+
+    def here(self) -> bool:
+        """True when called on the engine thread (inside a callback)."""
+        return threading.get_ident() == self.ident
+
+    def running(self) -> bool:
+        """True if operations complete in the background (MPI_THREAD_MULTIPLE)."""
+        if self.enabled is None:
+            from mpi4py import MPI
+
+            self.enabled = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+            if not self.enabled:
+                log.warning(
+                    "mpidist.torch: the MPI library gives less than MPI_THREAD_MULTIPLE, so asynchronous "
+                    "operations complete only when waited for (DDP's communication does not overlap backward)"
+                )
+        return self.enabled
+
+    def submit(self, item: Any) -> None:
+        """Queue ``item`` (an object with ``run()``) behind everything queued before it."""
+        with self._wake:
+            self._queue.append(item)
+            if self._thread is None:
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="mpidist-progress", daemon=True)
+                self._thread.start()
+            else:
+                self._wake.notify()
+
+    def _loop(self) -> None:
+        self.ident = threading.get_ident()
+        queue = self._queue
+        while True:
+            with self._wake:
+                while not queue:
+                    if self._stop:
+                        return
+                    self._wake.wait()
+                item = queue.popleft()
+            try:
+                item.run()
+            except BaseException:  # noqa: BLE001 - items deliver their errors; never let the thread die
+                log.exception("mpidist.torch: an internal error in the progress thread")
+
+    def drain(self) -> None:
+        """Stop the thread once everything queued has run (``destroy_process_group``)."""
+        with self._wake:
+            thread = self._thread
+            if thread is None:
+                return
+            self._stop = True
+            self._wake.notify()
+        if thread is not threading.current_thread():
+            thread.join()
+        with self._wake:
+            if self._thread is thread:
+                self._thread = None
+                self.ident = None
+
+
+#: the process's engine
+engine = Engine()
+
+
+class _Callback:
+    """A queued ``then``/``add_done_callback``: run ``fn(parent)`` once ``parent`` is complete."""
+
+    __slots__ = ("parent", "fn", "child")
+
+    def __init__(self, parent: TorchFuture, fn: Callable[[Any], Any], child: TorchFuture | None) -> None:
+        self.parent, self.fn, self.child = parent, fn, child
+
+    def run(self) -> None:
+        self.parent._drive()
+        if not self.parent.done():
+            _refuse(self.child)
+            return
+        _call(self.parent, self.fn, self.child)
+
+
+def _refuse(child: TorchFuture | None) -> None:
+    error = RuntimeError(
+        "mpidist.torch: a callback was chained onto a Future that another thread completes later; "
+        "chain callbacks in the thread that started the operation"
+    )
+    if child is not None:
+        child.set_exception(error)
+    else:
+        log.error("%s", error)
+
+
+def _call(parent: TorchFuture, fn: Callable[[Any], Any], child: TorchFuture | None) -> None:
+    try:
+        value = fn(parent)
+    except BaseException as exc:  # noqa: BLE001 - delivered to the chained Future, as torch does
+        if child is not None:
+            child.set_exception(exc)
+        else:
+            log.exception("mpidist.torch: a Future done-callback raised")
+        return
+    if child is not None:
+        child.set_result(value)
+
+
+class TorchFuture(torch.futures.Future):
+    """A ``torch.futures.Future`` whose callbacks run in a fixed order on the engine thread.
+
+    The Future of an operation is completed by the engine (or by whoever waits
+    for the operation first); ``then`` returns another TorchFuture, so a chain
+    ``fut.then(a).then(b)`` keeps the ordering rules of the module docstring.
+    C++ code that chains onto it directly (DDP's default all-reduce) gets torch's
+    own behaviour: its callback runs where the Future is completed.
+    """
+
+    def __init__(self, work: Any = None, devices: list[Any] | None = None) -> None:
+        super().__init__(devices=devices)
+        self._work = work  # the TorchWork that completes this Future, if any
+        self._devices = devices
+
+    def _drive(self) -> None:
+        """Complete the operation behind this Future in this thread if it is not complete yet."""
+        if self._work is not None and not super().done():
+            self._work._complete_here()
+
+    def wait(self) -> Any:
+        """Block until complete and return the value (raise the error)."""
+        if self._work is not None and not super().done():
+            try:
+                self._work.wait()
+            except BaseException:  # noqa: BLE001 - the Future carries the same error
+                pass
+        return super().wait()
+
+    def then(self, callback: Callable[[Any], Any]) -> TorchFuture:
+        """Return a Future completed with ``callback(self)`` (run on the engine thread, in order)."""
+        child = TorchFuture(devices=self._devices)
+        self._schedule(callback, child)
+        return child
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """Run ``callback(self)`` once complete (on the engine thread, in order)."""
+        self._schedule(callback, None)
+
+    def _schedule(self, callback: Callable[[Any], Any], child: TorchFuture | None) -> None:
+        if engine.here() or not engine.running():
+            # inside a callback (or without an engine): run now, in this thread's order
+            self._drive()
+            if not super().done():
+                _refuse(child)
+                return
+            _call(self, callback, child)
+        else:
+            engine.submit(_Callback(self, callback, child))

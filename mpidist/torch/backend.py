@@ -1,0 +1,371 @@
+"""``ProcessGroupMPIDist``: mpidist as a ``torch.distributed`` backend.
+
+torch 2.x lets a Python package provide a backend: a Python subclass of
+``torch.distributed.ProcessGroup`` registered with
+``Backend.register_backend(name, creator, extended_api=True, devices=...)``.
+torch's own code (``dist.all_reduce``, DDP's reducer in C++, its communication
+hooks, FSDP, DeviceMesh, functional collectives) then calls the methods below.
+
+Each method takes torch's arguments (lists of tensors, an options object whose
+ranks are group ranks) and makes one call of mpidist's public API on one of the
+group's two mpidist process groups:
+
+* the *main lane*, for calls from the program's threads;
+* the *side lane*, a second communicator over the same ranks, for calls made
+  inside Future callbacks on the engine thread (see ``_engine.py``), so the two
+  kinds of calls never need a common order.
+
+A synchronous call (``opts.asyncOp`` False, which ``torch.distributed`` sets for
+``async_op=False``) completes inside the method and returns None, as torch's
+Python API allows, so the common blocking call costs no Work and no Future. An
+asynchronous call returns a :class:`~mpidist.torch._work.TorchWork` that the
+engine completes in the background.
+
+Example (``mpiexec -n 2 python script.py``)::
+
+    import torch, torch.distributed as dist
+    import mpidist.torch                   # registers the "mpidist" backend
+    dist.init_process_group("mpidist")
+    t = torch.ones(4)
+    dist.all_reduce(t)                     # tensor([2., 2., 2., 2.])
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives as C
+from .. import p2p
+from .._world import world
+from ..groups import new_group
+from ..init import destroy_process_group as _destroy
+from ..init import init_process_group as _init
+from ..reduce_op import RedOpType, make_premul_sum
+from ._engine import engine
+from ._work import TorchWork
+
+__all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
+
+BACKEND_NAME = "mpidist"
+
+_TorchRedOp = dist.ReduceOp.RedOpType
+#: torch's reduction kinds by number -> mpidist's (the same numbering; PREMUL_SUM also carries a factor)
+_OPS = tuple(RedOpType[k.name] if k.name in RedOpType.__members__ else None for k in sorted(
+    _TorchRedOp.__members__.values(), key=lambda k: k.value))
+_PREMUL = int(_TorchRedOp.PREMUL_SUM.value)
+_AllreduceOptions = dist.AllreduceOptions
+_get_ident = threading.get_ident
+_UNSET = timedelta(milliseconds=-1)  # torch's kUnsetTimeout: use the group's timeout
+
+
+def _op(reduce_op: Any, fn: str) -> Any:
+    """mpidist's op for torch's ``opts.reduceOp`` (a ReduceOp, or a bare RedOpType); hot path."""
+    kind = getattr(reduce_op, "op", reduce_op).value
+    if kind == _PREMUL:
+        return make_premul_sum(reduce_op.factor)
+    op = _OPS[kind] if 0 <= kind < len(_OPS) else None
+    if op is None:
+        raise ValueError(f"{fn}: unsupported reduction {reduce_op!r}")
+    return op
+
+
+def _allreduce_options(op: Any) -> Any:
+    """Options for ``pg.allreduce(tensor)``/``pg.allreduce(tensors, op)`` (returns a Work, as torch does)."""
+    opts = _AllreduceOptions()
+    if op is not None:
+        opts.reduceOp = op
+    return opts
+
+
+def _one(tensors: Any, fn: str, arg: str = "tensors") -> Any:
+    """The single tensor of torch's one-per-device list (mpidist runs one device per process)."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    if len(tensors) != 1:
+        raise ValueError(f"{fn}: {arg} must hold exactly one tensor per process (one device), got {len(tensors)}")
+    return tensors[0]
+
+
+def _devices(tensors: Sequence[Any]) -> list[Any] | None:
+    """CUDA devices among ``tensors`` (a torch Future holding CUDA tensors must know them)."""
+    found = {t.device for t in _flat(tensors) if t.is_cuda}
+    return sorted(found, key=str) or None
+
+
+def _flat(items: Any) -> list[Any]:
+    if isinstance(items, torch.Tensor):
+        return [items]
+    out: list[Any] = []
+    for x in items:
+        out.extend(_flat(x))
+    return out
+
+
+class ProcessGroupMPIDist(dist.ProcessGroup):
+    """A torch process group whose collectives run over MPI (and NCCL) through mpidist.
+
+    Created by torch (``init_process_group("mpidist")``, ``new_group``); not by
+    users. ``mpidist_group`` is the underlying :class:`mpidist.ProcessGroup`
+    (its ``mpi_comm`` is the group's MPI communicator).
+    """
+
+    def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool) -> None:
+        super().__init__(main.rank(), main.size())
+        self._main = main
+        self._side = side
+        self._backend_name = backend_name
+        self._owns_world = owns_world
+        self._group_name = ""
+        self._group_desc = ""
+        self._coalesced: list[Any] | None = None  # works between _start_coalescing and _end_coalescing
+        self._closed = False
+
+    @property
+    def mpidist_group(self) -> Any:
+        """The mpidist ProcessGroup of this group (its main lane)."""
+        return self._main
+
+    def _lane(self) -> Any:
+        return self._side if _get_ident() == engine.ident else self._main
+
+    def _work(self, inner: Any, outputs: Any, op: str) -> TorchWork | None:
+        """Wrap mpidist's Work (None: the call already completed) for torch; queue it on the engine."""
+        if inner is None:
+            return None
+        work = TorchWork(inner if isinstance(inner, list) else [inner], outputs, op, _devices(outputs))
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        if _get_ident() != engine.ident and engine.running():
+            engine.submit(work)
+        return work
+
+    # -- names (DeviceMesh, FSDP and the group registry read them) ------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return self._backend_name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        return (
+            f"<ProcessGroupMPIDist {self._group_name!r} backend={self._backend_name} rank={self.rank()} "
+            f"size={self.size()}>"
+        )
+
+    # -- collectives -----------------------------------------------------------------------
+    def allreduce(self, tensors: Any, opts: Any = None) -> TorchWork | None:
+        if type(opts) is not _AllreduceOptions:  # pg.allreduce(tensor[, op]): torch's convenience forms
+            opts = _allreduce_options(opts)
+        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else _one(tensors, "allreduce")
+        w = C.all_reduce(
+            t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
+        )
+        if w is None:
+            return None
+        return self._work(w, tensors if type(tensors) is list else [t], "allreduce")
+
+    def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> TorchWork | None:
+        w = C.all_reduce_coalesced(tensors, _op(opts.reduceOp, "allreduce_coalesced"), self._lane(), opts.asyncOp)
+        return self._work(w, tensors, "allreduce_coalesced")
+
+    def broadcast(self, tensors: Any, opts: Any) -> TorchWork | None:
+        t = _one(tensors, "broadcast")
+        w = C.broadcast(t, group=self._lane(), async_op=opts.asyncOp, group_src=opts.rootRank)
+        return self._work(w, tensors, "broadcast")
+
+    def reduce(self, tensors: Any, opts: Any) -> TorchWork | None:
+        t = _one(tensors, "reduce")
+        w = C.reduce(t, op=_op(opts.reduceOp, "reduce"), group=self._lane(), async_op=opts.asyncOp, group_dst=opts.rootRank)
+        return self._work(w, tensors, "reduce")
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
+        outs = _one(output_tensors, "allgather", "output_tensors")
+        w = C.all_gather(outs, _one(input_tensors, "allgather", "input_tensors"), self._lane(), opts.asyncOp)
+        return self._work(w, output_tensors, "allgather")
+
+    def all_gather_single(self, output: Any, input: Any, opts: Any) -> TorchWork | None:
+        w = C.all_gather_into_tensor(output, input, self._lane(), opts.asyncOp)
+        return self._work(w, [output], "all_gather_single")
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any) -> TorchWork | None:
+        w = C.all_gather_coalesced(output_lists, input_list, self._lane(), opts.asyncOp)
+        return self._work(w, output_lists, "allgather_coalesced")
+
+    def all_gather_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> TorchWork | None:
+        lane = self._lane()
+        works = [C.all_gather_into_tensor(o, i, lane, True) for o, i in zip(outputs, inputs)]
+        return self._sync_or_work(works, outputs, opts, "all_gather_single_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
+        inp = _one(input_tensors, "gather", "input_tensors")
+        root = opts.rootRank
+        outs = _one(output_tensors, "gather", "output_tensors") if self.rank() == root else None
+        w = C.gather(inp, outs, group=self._lane(), async_op=opts.asyncOp, group_dst=root)
+        return self._work(w, output_tensors, "gather")
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
+        out = _one(output_tensors, "scatter", "output_tensors")
+        root = opts.rootRank
+        ins = _one(input_tensors, "scatter", "input_tensors") if self.rank() == root else None
+        w = C.scatter(out, ins, group=self._lane(), async_op=opts.asyncOp, group_src=root)
+        return self._work(w, output_tensors, "scatter")
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
+        out = _one(output_tensors, "reduce_scatter", "output_tensors")
+        ins = _one(input_tensors, "reduce_scatter", "input_tensors")
+        w = C.reduce_scatter(out, ins, _op(opts.reduceOp, "reduce_scatter"), self._lane(), opts.asyncOp)
+        return self._work(w, output_tensors, "reduce_scatter")
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> TorchWork | None:
+        w = C.reduce_scatter_tensor(output, input, _op(opts.reduceOp, "reduce_scatter_single"), self._lane(), opts.asyncOp)
+        return self._work(w, [output], "reduce_scatter_single")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> TorchWork | None:
+        op, lane = _op(opts.reduceOp, "reduce_scatter_single_coalesced"), self._lane()
+        works = [C.reduce_scatter_tensor(o, i, op, lane, True) for o, i in zip(outputs, inputs)]
+        return self._sync_or_work(works, outputs, opts, "reduce_scatter_single_coalesced")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(
+        self, output: Any, input: Any, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any
+    ) -> TorchWork | None:
+        w = C.all_to_all_single(
+            output, input, list(output_split_sizes) or None, list(input_split_sizes) or None, self._lane(), opts.asyncOp
+        )
+        return self._work(w, [output], "all_to_all_single")
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[Any], input_tensors: list[Any], opts: Any) -> TorchWork | None:
+        w = C.all_to_all(output_tensors, input_tensors, self._lane(), opts.asyncOp)
+        return self._work(w, output_tensors, "alltoall")
+
+    def barrier(self, opts: Any = None) -> TorchWork | None:
+        async_op = True if opts is None else opts.asyncOp
+        timeout = None if opts is None or opts.timeout == _UNSET else opts.timeout
+        if not async_op:
+            C.barrier(self._lane(), timeout=timeout)
+            return None
+        w = C.barrier(self._lane(), async_op=True)
+        return self._work(w, [], "barrier")
+
+    def _sync_or_work(self, works: list[Any], outputs: Any, opts: Any, op: str) -> TorchWork | None:
+        if opts.asyncOp:
+            return self._work([w for w in works if w is not None], outputs, op)
+        for w in works:
+            if w is not None:
+                w.wait()
+        return None
+
+    # -- point-to-point ----------------------------------------------------------------------
+    def send(self, tensors: Any, dst_rank: int, tag: int) -> TorchWork:
+        w = p2p.isend(_one(tensors, "send"), group=self._lane(), tag=tag, group_dst=dst_rank)
+        return self._work(w, tensors, "send")
+
+    def recv(self, tensors: Any, src_rank: int, tag: int) -> TorchWork:
+        w = p2p.irecv(_one(tensors, "recv"), group=self._lane(), tag=tag, group_src=src_rank)
+        return self._work(w, tensors, "recv")
+
+    def recv_anysource(self, tensors: Any, tag: int) -> TorchWork:
+        w = p2p.irecv(_one(tensors, "recv_anysource"), group=self._lane(), tag=tag)
+        return self._work(w, tensors, "recv_anysource")
+
+    # -- coalescing (torch's _coalescing_manager with a device) -------------------------------
+    def _start_coalescing(self, device: Any = None) -> None:
+        if self._coalesced is not None:
+            raise RuntimeError("ProcessGroupMPIDist._start_coalescing: already coalescing")
+        self._coalesced = []
+
+    def _end_coalescing(self, device: Any = None) -> TorchWork:
+        works, self._coalesced = self._coalesced or [], None
+        inner = [w for tw in works for w in tw._inner]
+        return TorchWork(inner, [t for tw in works for t in _flat(tw._outputs)], "coalesced")
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Free the group's communicators (torch's ``destroy_process_group``)."""
+        if self._closed:
+            return
+        self._closed = True
+        default = self._main is world.default_pg
+        if default:
+            engine.drain()
+        for g in (self._side, None if default else self._main):
+            if g is not None and not g.destroyed:
+                _destroy(g)
+        if default and self._owns_world and world.default_pg is not None:
+            _destroy()
+
+    def abort(self) -> None:
+        """End the job (``MPI_Abort``): MPI cannot abort one group alone."""
+        from ..abort import abort_process_group
+
+        abort_process_group(self._main)
+
+
+def create_process_group(
+    ranks: Sequence[int], rank: int, size: int, timeout: timedelta, store: Any, backend_name: str
+) -> ProcessGroupMPIDist:
+    """Build the torch group over global ``ranks`` ([] for the default group); members only.
+
+    The default group uses mpidist's default group, initializing it (with
+    ``store`` for worlds started without an MPI launcher) unless the program
+    already did; other groups are made by their members alone
+    (``MPI_Comm_create_group``), as torch calls the creator on members only.
+    """
+    if not ranks:
+        owns = world.default_pg is None
+        if owns:
+            _init(timeout=timeout, store=store, rank=rank, world_size=size)
+        main = world.default_pg
+        if size > 0 and main.size() != size:
+            raise ValueError(
+                f"init_process_group: torch asked for a world of {size} processes but mpidist's default group "
+                f"has {main.size()}; destroy mpidist's group first or start the job with {size} processes"
+            )
+        members = list(range(main.size()))
+    else:
+        owns = False
+        members = list(ranks)
+        main = new_group(members, timeout=timeout, use_local_synchronization=True)
+    side = new_group(members, timeout=timeout, use_local_synchronization=True)
+    return ProcessGroupMPIDist(main, side, backend_name, owns)
+
+
+def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGroupMPIDist:
+    """The creator torch calls (``extended_api=True``) with its ``_DistributedBackendOptions``."""
+    return create_process_group(
+        list(options.global_ranks_in_group),
+        options.group_rank,
+        options.group_size,
+        options.timeout,
+        options.store,
+        BACKEND_NAME,
+    )
+
+
+def register() -> None:
+    """Register the ``"mpidist"`` backend with torch (idempotent)."""
+    if getattr(dist.Backend, BACKEND_NAME.upper(), None) is None:
+        dist.Backend.register_backend(BACKEND_NAME, _create_from_options, extended_api=True, devices=["cpu", "cuda"])
