@@ -1,0 +1,246 @@
+"""TCPStore against hostile peers: greedy clients, a failing accept(), services that are not stores, frozen servers.
+
+Every test runs in one process with servers and peers of its own on loopback
+ports picked by the kernel (every rank runs the same tests under mpiexec,
+independently). The wire format is pinned by a reference encoder written from
+its specification (see ``mpidist/store/_protocol.py``): a frame is its body
+length (8 bytes, big endian), then a code (1 byte), a field count (4 bytes) and
+each field as its length (8 bytes) and bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import socket
+import struct
+import time
+from typing import Callable
+
+import pytest
+
+from mpidist.store import TCPStore
+from mpidist.store._tcp_server import StoreServer, listen
+
+pytestmark = pytest.mark.timeout(30)
+
+#: an error that must come at once (not after a store timeout) comes within this many seconds
+PROMPT = 1.0
+#: a timeout is reported within the timeout plus this
+SLACK = 1.0
+
+# the wire format, from its specification
+HELLO, SET, GET, ADD = 1, 2, 3, 4
+OK, ERROR = 0, 1
+MAGIC = b"mpidist-tcpstore-1"
+MiB = 1 << 20
+
+
+def frame(code: int, *fields: bytes) -> bytes:
+    body = struct.pack("!BI", code, len(fields)) + b"".join(struct.pack("!Q", len(f)) + f for f in fields)
+    return struct.pack("!Q", len(body)) + body
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock: socket.socket) -> tuple[int, list[bytes]]:
+    (n,) = struct.unpack("!Q", recv_exact(sock, 8))
+    body = recv_exact(sock, n)
+    code, count = struct.unpack_from("!BI", body)
+    at, fields = 5, []
+    for _ in range(count):
+        (k,) = struct.unpack_from("!Q", body, at)
+        fields.append(body[at + 8 : at + 8 + k])
+        at += 8 + k
+    assert at == len(body)
+    return code, fields
+
+
+def raw_client(port: int, rcvbuf: int | None = None) -> socket.socket:
+    """A connection that has made the handshake, and then does what the test makes it do."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(frame(HELLO, MAGIC))
+    assert read_frame(sock) == (OK, [])
+    return sock
+
+
+def until(condition: Callable[[], bool], within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.fixture
+def server_with_cap():
+    """server_with_cap(cap) starts a StoreServer dropping clients past ``cap`` queued bytes."""
+    servers: list[StoreServer] = []
+
+    def start(cap: int, listener: socket.socket | None = None) -> StoreServer:
+        server = StoreServer(listener or listen("127.0.0.1", 0, "test"), max_queued_bytes=cap)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def the_conn(server: StoreServer, client: socket.socket):
+    """The server's record of ``client``'s connection (white box: to see what it still holds)."""
+    peer = "{}:{}".format(*client.getsockname()[:2])
+    assert until(lambda: any(c.peer == peer for c in list(server._conns)))
+    return next(c for c in list(server._conns) if c.peer == peer)
+
+
+# ---------------------------------------------------------------------------------------------
+# item 6: the server holds a bounded amount for each client
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_client_that_pipelines_gets_and_never_reads_is_dropped(server_with_cap, caplog):
+    cap = 4 * MiB
+    server = server_with_cap(cap)
+    with TCPStore("127.0.0.1", server.port, timeout=10) as store:
+        store.set("big", b"x" * MiB)
+        greedy = raw_client(server.port, rcvbuf=32 * 1024)
+        with caplog.at_level(logging.WARNING, logger="mpidist.store"):
+            greedy.sendall(frame(GET, b"big", b"-1") * 400)  # 400 MiB of replies if all were queued
+            assert until(lambda: server.dropped == 1), server.connection_stats()
+        (held,) = [int(n) for n in re.findall(r"replies it has not read hold (\d+) bytes", caplog.text)]
+        assert cap < held <= cap + MiB + 1024  # the limit, passed by one reply at most
+        assert all(queued <= cap for _, _, queued in server.connection_stats())
+        # the greedy client gets what the kernel held for it, then the end: far from 400 replies
+        replies = 0
+        try:
+            while True:
+                code, fields = read_frame(greedy)
+                assert (code, len(fields[0])) == (OK, MiB)
+                replies += 1
+        except (ConnectionError, OSError):
+            pass
+        assert replies < 30
+        greedy.close()
+        assert store.get("big") == b"x" * MiB  # well-behaved clients are served as before
+        assert server.dropped == 1
+
+
+def test_one_reply_larger_than_the_limit_is_sent_not_dropped(server_with_cap):
+    server = server_with_cap(MiB)
+    with TCPStore("127.0.0.1", server.port, timeout=10) as store:
+        store.set("big", b"y" * (8 * MiB))
+        slow = raw_client(server.port, rcvbuf=32 * 1024)
+        slow.sendall(frame(GET, b"big", b"-1"))
+        conn = the_conn(server, slow)
+        assert until(lambda: conn.queued > MiB)  # most of the reply waits in the server for the slow reader
+        time.sleep(0.2)
+        assert server.dropped == 0 and not conn.closed
+        assert read_frame(slow) == (OK, [b"y" * (8 * MiB)])
+        assert until(lambda: conn.queued == 0)
+        slow.close()
+        assert store.get("big") == b"y" * (8 * MiB)
+
+
+def test_a_client_that_sends_while_its_get_is_parked_is_dropped(server_with_cap):
+    server = server_with_cap(MiB)
+    with TCPStore("127.0.0.1", server.port, timeout=10) as store:
+        pushy = raw_client(server.port)
+        pushy.sendall(frame(GET, b"never", b"300000"))  # parked for 300 s
+        conn = the_conn(server, pushy)
+        assert until(lambda: conn.waiter is not None)
+        try:
+            pushy.sendall(frame(SET, b"k", b"z" * (3 * MiB)))
+        except OSError:
+            pass  # dropped while sending
+        assert until(lambda: server.dropped == 1)
+        assert conn.closed and len(conn.inbuf) == 0 and conn.waiter is None
+        assert "never" not in server._parked
+        pushy.close()
+        assert not store.check(["k"])
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+
+
+def test_a_dropped_connection_frees_its_buffers_and_parked_request_at_once(server_with_cap):
+    server = server_with_cap(64 * MiB)
+    with TCPStore("127.0.0.1", server.port, timeout=10):
+        partial = raw_client(server.port)
+        request = frame(SET, b"k", b"p" * (32 * MiB))
+        partial.sendall(request[: 8 * MiB])  # a large request, cut short
+        conn = the_conn(server, partial)
+        assert until(lambda: len(conn.inbuf) >= 8 * MiB)
+        partial.close()
+        assert until(lambda: conn.closed)
+        assert len(conn.inbuf) == 0 and conn.queued == 0 and not conn.out
+
+        parked = raw_client(server.port)
+        parked.sendall(frame(GET, b"missing", b"300000"))  # a deadline 300 s away, in the server's heap
+        conn = the_conn(server, parked)
+        assert until(lambda: conn.waiter is not None)
+        waiter = conn.waiter
+        parked.close()
+        assert until(lambda: conn.closed)
+        assert waiter.done and waiter.conn is None and waiter.keys == []  # the heap entry holds nothing
+        assert "missing" not in server._parked
+        assert all(entry[2].conn is not conn for entry in server._deadlines)
+
+
+class FlakyListener(socket.socket):
+    """A listening socket whose accept() fails with EMFILE while ``failing`` is set, counting the calls."""
+
+    failing = True
+    calls = 0
+
+    def accept(self):
+        self.calls += 1
+        if self.failing:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return super().accept()
+
+
+def test_accept_failing_with_emfile_backs_off_instead_of_spinning(server_with_cap, caplog):
+    listener = FlakyListener(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    with caplog.at_level(logging.WARNING, logger="mpidist.store"):
+        server = server_with_cap(MiB, listener)
+        waiting = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # left in the backlog
+        time.sleep(0.6)
+    assert 2 <= listener.calls <= 15, listener.calls  # spinning would make thousands of calls
+    assert "cannot accept connections" in caplog.text
+    listener.failing = False
+    start = time.monotonic()
+    with TCPStore("127.0.0.1", server.port, timeout=10) as store:  # served once accept() works again
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    assert time.monotonic() - start < 1.0 + SLACK  # within the longest pause
+    waiting.sendall(frame(HELLO, MAGIC))  # the connection that waited in the backlog is served too
+    assert read_frame(waiting) == (OK, [])
+    waiting.close()
+
+
+def test_server_tells_a_client_of_another_protocol_version_why(server_with_cap):
+    server = server_with_cap(MiB)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(frame(HELLO, b"mpidist-tcpstore-2"))
+    code, fields = read_frame(sock)
+    assert code == ERROR and b"protocol mismatch" in fields[0] and MAGIC in fields[0]
+    assert sock.recv(10) == b""  # then dropped
+    sock.close()
