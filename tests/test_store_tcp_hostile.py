@@ -16,11 +16,13 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 from typing import Callable
 
 import pytest
 
+from mpidist import DistNetworkError
 from mpidist.store import TCPStore
 from mpidist.store._tcp_server import StoreServer, listen
 
@@ -244,3 +246,203 @@ def test_server_tells_a_client_of_another_protocol_version_why(server_with_cap):
     assert code == ERROR and b"protocol mismatch" in fields[0] and MAGIC in fields[0]
     assert sock.recv(10) == b""  # then dropped
     sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# item 7: the client validates the handshake and frame sizes, and honours its timeout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_peer():
+    """fake_peer(handler) listens on a loopback port and runs handler(conn, stop) on each connection."""
+    stop = threading.Event()
+    sockets: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+
+    def run(handler: Callable[[socket.socket, threading.Event], None], conn: socket.socket) -> None:
+        try:
+            handler(conn, stop)
+        except OSError:
+            pass
+
+    def start(handler: Callable[[socket.socket, threading.Event], None]) -> int:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(0.05)
+        sockets.append(listener)
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                conn.settimeout(0.05)
+                sockets.append(conn)
+                worker = threading.Thread(target=run, args=(handler, conn), daemon=True)
+                threads.append(worker)
+                worker.start()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        threads.append(thread)
+        thread.start()
+        return listener.getsockname()[1]
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    for sock in sockets:
+        sock.close()
+
+
+def read_some(conn: socket.socket, stop: threading.Event) -> bytes:
+    while not stop.is_set():
+        try:
+            return conn.recv(4096)
+        except socket.timeout:
+            continue
+    return b""
+
+
+def linger(conn: socket.socket, stop: threading.Event) -> None:
+    """Read and ignore whatever comes, until the client closes or the test ends."""
+    while not stop.is_set():
+        try:
+            if not conn.recv(65536):
+                return
+        except socket.timeout:
+            continue
+
+
+def http_server(conn: socket.socket, stop: threading.Event) -> None:
+    read_some(conn, stop)
+    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    conn.close()
+
+
+def ssh_server(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")  # a banner, before the client says anything
+    linger(conn, stop)
+
+
+def short_answer(conn: socket.socket, stop: threading.Event) -> None:
+    read_some(conn, stop)
+    conn.sendall(b"\x00\x01")
+    conn.close()
+
+
+def odd_frame(conn: socket.socket, stop: threading.Event) -> None:
+    read_some(conn, stop)
+    conn.sendall(frame(7, b"hello?"))  # a well-formed frame, but not a reply a TCPStore server gives
+    linger(conn, stop)
+
+
+def other_version(conn: socket.socket, stop: threading.Event) -> None:
+    read_some(conn, stop)
+    conn.sendall(frame(ERROR, b"TCPStore server: protocol mismatch: speaking b'mpidist-tcpstore-9'"))
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    ("handler", "answer"),
+    [
+        (http_server, r"b'HTTP/1\.1 400 Bad Request"),
+        (ssh_server, r"b'SSH-2\.0-OpenSSH_9\.6\\r\\n'"),
+        (short_answer, r"b'\\x00\\x01'"),
+        (odd_frame, r"b'\\x00"),
+    ],
+    ids=["http", "ssh", "two-bytes", "odd-frame"],
+)
+def test_a_service_that_is_not_a_store_is_named_at_once(fake_peer, handler, answer):
+    port = fake_peer(handler)
+    start = time.monotonic()
+    with pytest.raises(
+        DistNetworkError,
+        match=rf"^TCPStore: the peer at 127\.0\.0\.1:{port} is not a mpidist store: it answered the handshake "
+        rf"with {answer}.*check host_name and port",
+    ):
+        TCPStore("127.0.0.1", port, timeout=20)
+    assert time.monotonic() - start < PROMPT
+
+
+def test_a_server_of_another_version_is_named_at_once(fake_peer):
+    port = fake_peer(other_version)
+    start = time.monotonic()
+    with pytest.raises(
+        DistNetworkError,
+        match=rf"^TCPStore: the TCPStore server at 127\.0\.0\.1:{port} refused the handshake \(TCPStore "
+        r"server: protocol mismatch.*\); run the same mpidist version",
+    ):
+        TCPStore("127.0.0.1", port, timeout=20)
+    assert time.monotonic() - start < PROMPT
+
+
+def joins_then(reply: bytes | None, close: bool = False) -> Callable[[socket.socket, threading.Event], None]:
+    """A peer that makes the handshake and answers the store's join, then sends ``reply`` (None: nothing)
+    to the next request, and closes the connection if ``close``."""
+
+    def handler(conn: socket.socket, stop: threading.Event) -> None:
+        conn.settimeout(5)
+        assert read_frame(conn) == (HELLO, [MAGIC])
+        conn.sendall(frame(OK))
+        assert read_frame(conn)[0] == ADD
+        conn.sendall(frame(OK, b"1"))
+        conn.settimeout(0.05)
+        read_some(conn, stop)
+        if reply is not None:
+            conn.sendall(reply)
+        if close:
+            conn.close()
+            return
+        linger(conn, stop)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            rf"malformed reply \(it announced a frame of {int.from_bytes(b'HTTP/1.1', 'big')} ",
+        ),
+        (struct.pack("!Q", 1 << 50), r"malformed reply \(it announced a frame of 1125899906842624 bytes; frames hold "),
+        (struct.pack("!Q", 100 << 30) + b"\x00" * 1000, r"lost the connection .*after 1000 of 107374182400 bytes"),
+    ],
+    ids=["text", "over-1-TiB", "100-GiB-then-closed"],
+)
+def test_a_bogus_frame_size_fails_the_request_without_allocating_it(fake_peer, reply, error):
+    port = fake_peer(joins_then(reply, close=True))
+    store = TCPStore("127.0.0.1", port, timeout=3)
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match=rf"^TCPStore\.set: .*{error}"):
+        store.set("k", "v")  # a bare MemoryError before
+    elapsed = time.monotonic() - start
+    store.close()
+    assert elapsed < 3  # not the store's timeout: the peer closed, or said something impossible
+
+
+def test_a_frozen_server_fails_set_and_add_within_the_store_timeout(fake_peer):
+    timeout = 0.5
+    port = fake_peer(joins_then(None))
+    for call in (lambda s: s.set("k", "v"), lambda s: s.add("n", 1), lambda s: s.wait(["k"], 0.3)):
+        store = TCPStore("127.0.0.1", port, timeout=timeout)
+        start = time.monotonic()
+        with pytest.raises(
+            DistNetworkError, match=r"^TCPStore\.(set|add|wait): the TCPStore server at .* did not reply within 0:00:0"
+        ):
+            call(store)
+        elapsed = time.monotonic() - start
+        assert timeout * 0.9 <= elapsed < timeout + 0.3 + SLACK  # the store's timeout, not a 30 s floor
+        with pytest.raises(DistNetworkError, match=r"was lost earlier \(no reply within"):
+            store.get("k")  # the store says at once that it cannot be used any more
+        store.close()
+
+
+def test_a_frozen_handshake_times_out_as_configured(fake_peer):
+    port = fake_peer(linger)  # accepts, never answers
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match=r"^TCPStore: could not connect to a TCPStore server at .* within"):
+        TCPStore("127.0.0.1", port, timeout=0.5)
+    assert time.monotonic() - start < 0.5 + SLACK
