@@ -36,6 +36,9 @@ __all__ = ["TCPStore"]
 _INIT_KEY = "init/"
 #: retry pauses while connecting or waiting for workers: first, cap (seconds)
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 0.25
+#: the least time a reply may take before the server counts as not answering (seconds): a store
+#: whose timeout is meant for short waits must not give up on a server that is merely busy
+_REPLY_FLOOR_S = 1.0
 #: how many bytes of a foreign peer's answer an error message shows
 _SHOWN_BYTES = 64
 
@@ -297,8 +300,8 @@ class TCPStore(Store):
         timeout: bounds connecting, waiting for workers, ``get`` and ``wait``
             (timedelta or seconds; zero: no bound), and how long a reply of
             the server may take: ``set``/``add``/... on a server that does not
-            answer fail after it, ``get``/``wait`` after their wait plus it.
-            Default 300 s.
+            answer fail after it (at least 1 s), ``get``/``wait`` after their
+            wait plus it. Default 300 s.
         wait_for_workers: on the master with a fixed ``world_size``, wait for
             every store to join.
         multi_tenant: master stores of this process with the same host_name and
@@ -439,9 +442,9 @@ class TCPStore(Store):
 
     def _request(self, fn: str, cmd: Cmd, fields: list[bytes], wait_s: float | None = 0.0) -> list[bytes]:
         """Send one request; the reply must come within ``wait_s`` (what the server may wait for keys;
-        None: no bound) plus the store's timeout (also None: no bound)."""
+        None: no bound) plus the store's timeout (None: no bound; at least _REPLY_FLOOR_S)."""
         store_s = self._wait_seconds(None, fn)
-        io = None if store_s is None or wait_s is None else wait_s + store_s
+        io = None if store_s is None or wait_s is None else wait_s + max(store_s, _REPLY_FLOOR_S)
         return self._client.request(fn, cmd, fields, io, store_s)
 
     def _set(self, key: str, value: bytes) -> None:
