@@ -282,9 +282,9 @@ class _FileState:
         if made_for > 0 and joined >= made_for and closed > 0:
             raise DistStoreError(
                 f"{fn}: {self.path!r} was made for world_size={made_for} and {joined} stores joined it ({made}); "
-                f"{closed} of them closed and {self.meta.get(_USERS, 0)} never did, so this store cannot be part of "
-                f"that world: the file was left behind by a job whose stores did not all close (a crash), or another "
-                f"job uses it; {_ADVICE}"
+                f"{closed} of them closed and {self.meta.get(_USERS, 0)} have not, so this store cannot be part of "
+                f"that world: the file was left behind by a job whose stores did not all close (a crash), another "
+                f"job uses it, or the stores of its previous use are still closing (then wait for them); {_ADVICE}"
             )
         self.bump(fn, {_JOINED: 1, _USERS: 1})
 
