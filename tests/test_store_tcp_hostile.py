@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+import selectors
 import socket
 import struct
 import threading
@@ -24,7 +25,8 @@ import pytest
 
 from mpidist import DistNetworkError
 from mpidist.store import TCPStore
-from mpidist.store._tcp_server import StoreServer, listen
+from mpidist.store._protocol import Cmd
+from mpidist.store._tcp_server import StoreServer, _Conn, listen
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -202,6 +204,32 @@ def test_a_dropped_connection_frees_its_buffers_and_parked_request_at_once(serve
         assert waiter.done and waiter.conn is None and waiter.keys == []  # the heap entry holds nothing
         assert "missing" not in server._parked
         assert all(entry[2].conn is not conn for entry in server._deadlines)
+
+
+def test_answered_requests_do_not_pile_up_in_the_deadline_heap():
+    server = StoreServer(listen("127.0.0.1", 0, "test"))  # not started: driven from this thread
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.setblocking(False)
+    conn = _Conn(mine, "test")
+    server._sel.register(mine, selectors.EVENT_READ, conn)
+    longest = 0
+    for i in range(3000):  # each get parks with a deadline 300 s away, then is answered at once
+        assert server._park(conn, Cmd.GET, [f"k{i}"], 300.0) is None
+        server._store(f"k{i}", b"v")
+        assert conn.waiter is None
+        longest = max(longest, len(server._deadlines))
+        if i % 50 == 0:  # read the replies, as a client does
+            try:
+                while theirs.recv(1 << 20):
+                    pass
+            except BlockingIOError:
+                pass
+    assert longest <= 1025  # entries of answered requests are swept, not kept for 300 s
+    assert server._done_in_heap == sum(entry[2].done for entry in server._deadlines)
+    server.stop()
+    mine.close()
+    theirs.close()
 
 
 class FlakyListener(socket.socket):

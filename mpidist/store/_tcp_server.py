@@ -247,8 +247,11 @@ class StoreServer:
             self._close_all()
 
     def _dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
-        """Handle the events of one select (in a method of its own, so that no
-        local variable keeps a dropped connection alive while the loop waits)."""
+        """Handle the events of one select.
+
+        A method of its own, so that no local variable keeps a dropped
+        connection alive while the loop waits for the next event.
+        """
         for key, mask in events:
             tag = key.data
             if tag is _LISTENER:
@@ -355,7 +358,7 @@ class StoreServer:
         """Drop a client that made the server hold more than ``max_queued_bytes`` for it."""
         logger.warning(
             "TCPStore server on port %d: dropped the client at %s: %s, more than the limit of %d bytes "
-            "(a mpidist/torch store client sends one request at a time and reads its reply)",
+            "(a TCPStore client sends one request at a time and reads its reply)",
             self.port,
             conn.peer,
             what,
