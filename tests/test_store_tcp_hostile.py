@@ -17,6 +17,8 @@ import re
 import selectors
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -264,6 +266,36 @@ def test_accept_failing_with_emfile_backs_off_instead_of_spinning(server_with_ca
     waiting.sendall(frame(HELLO, MAGIC))  # the connection that waited in the backlog is served too
     assert read_frame(waiting) == (OK, [])
     waiting.close()
+
+
+REAL_EMFILE = """
+import os, resource, socket, sys, time
+from mpidist.store._tcp_server import StoreServer, listen
+server = StoreServer(listen("127.0.0.1", 0, "emfile"))  # its descriptors are made before the limit
+clients = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]  # in the backlog
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))  # no descriptor left
+server.start()
+time.sleep(0.1)
+start = time.process_time()
+time.sleep(0.5)
+cpu = time.process_time() - start
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+for sock in clients:  # served once descriptors are free again
+    sock.settimeout(5)
+    sock.sendall(bytes.fromhex(sys.argv[1]))
+    assert sock.recv(100) == bytes.fromhex(sys.argv[2])
+print(cpu)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_a_real_emfile_does_not_make_the_server_spin():
+    hello, ok = frame(HELLO, MAGIC).hex(), frame(OK).hex()
+    child = subprocess.run([sys.executable, "-c", REAL_EMFILE, hello, ok], capture_output=True, text=True, timeout=20)
+    assert child.returncode == 0, child.stderr
+    assert "cannot accept connections ([Errno 24] Too many open files)" in child.stderr
+    assert float(child.stdout) < 0.15  # CPU seconds in 0.5 s; a spinning accept loop takes about 0.5
 
 
 def test_server_tells_a_client_of_another_protocol_version_why(server_with_cap):
