@@ -3,7 +3,7 @@
 
     python3 dev.py example         # .venv with mpidist + MPICH, then mpiexec -n 4 examples/quickstart.py
     python3 dev.py test [ARGS]     # .venv with test tools, then the suite at world sizes 1, 2, 3, 4
-    python3 dev.py bench [ARGS]    # the benchmark on 2 ranks (see benchmarks/)
+    python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, then the torch backend
     python3 dev.py run-tests       # the suite with the current interpreter (used by tox and CI)
 
 Extra ARGS go to pytest (test) or the benchmark script (bench). Environment:
@@ -115,7 +115,9 @@ def main(argv: list[str]) -> int:
         return run_tests(Path(sys.executable), args)
     if cmd == "bench":
         python = setup("mpich,test", torch=True)
-        return run(mpiexec(python) + ["-n", "2", python, ROOT / "benchmarks" / "bench_collectives.py", *args], cwd=ROOT)
+        rc = run(mpiexec(python) + ["-n", "2", python, ROOT / "benchmarks" / "bench_collectives.py", *args], cwd=ROOT)
+        torch_bench = [python, ROOT / "benchmarks" / "bench_torch_backend.py"]
+        return rc or run(mpiexec(python) + ["-n", "2", *torch_bench], cwd=ROOT)
     print(__doc__)
     return 0 if cmd in ("help", "-h", "--help") else 2
 

@@ -84,6 +84,7 @@ from .utils import (
     distributed_available,
     gather_all_tensors,
     init_dist_connection,
+    register_ddp_comm_hook,
     sync_ddp,
     sync_ddp_if_available,
 )
@@ -190,6 +191,7 @@ __all__ = [
     "sync_ddp",
     "sync_ddp_if_available",
     "init_dist_connection",
+    "register_ddp_comm_hook",
     "MPIEnvironment",
     # data loading
     "DistributedSampler",

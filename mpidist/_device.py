@@ -311,7 +311,9 @@ class CupyOps(DeviceOps):
 
     def _arith(self, arr: DeviceArray, what: str) -> Any:
         if arr.dtype == BFLOAT16:
-            raise TypeError(f"{what} on bfloat16 device arrays needs the nccl backend (cupy has no bfloat16 arithmetic)")
+            raise TypeError(
+                f"{what} on bfloat16 device arrays needs the nccl backend (cupy has no bfloat16 arithmetic)"
+            )
         return self.wrap(arr)
 
     def scale(self, arr: DeviceArray, factor: float) -> None:

@@ -75,7 +75,9 @@ def root_rank(
 def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.ndarray], name: str) -> None:
     for i, a in enumerate(arrays):
         if a.dtype != ref.dtype:
-            raise TypeError(f"{fn}: {name}[{i}] is {a.dtype.name} but {ref_name} is {ref.dtype.name}; dtypes must match")
+            raise TypeError(
+                f"{fn}: {name}[{i}] is {a.dtype.name} but {ref_name} is {ref.dtype.name}; dtypes must match"
+            )
 
 
 def _check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
@@ -93,7 +95,11 @@ def _check_own_size(fn: str, mine: np.ndarray, name: str, rank: int, local: np.n
 
 
 def broadcast(
-    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False, group_src: int | None = None
+    tensor: Any,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
 ) -> Work | None:
     """Send ``tensor`` from rank ``src`` to every rank of the group (in place).
 
@@ -139,7 +145,9 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     w = impl.fast_all_reduce(tensor if type(tensor) is np.ndarray else host_view(tensor), op, async_op)
     if w is NotImplemented:
         buf, target = prepare_inout(tensor, "all_reduce", "tensor")
-        w = backend_for(pg, "all_reduce", buf).all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
+        w = backend_for(pg, "all_reduce", buf).all_reduce(
+            buf, None if target is None else [(buf, target)], op, async_op
+        )
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -325,7 +333,9 @@ def reduce_scatter(
     ins = prepare_input_list(input_list, fn, "input_list", impl.size)
     _same_dtype(fn, out, "output", ins, "input_list")
     _check_own_size(fn, ins[impl.rank], "input_list", impl.rank, out, "output")
-    w = backend_for(pg, fn, out, ins).reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
+    w = backend_for(pg, fn, out, ins).reduce_scatter(
+        out, None if target is None else [(out, target)], ins, op, async_op
+    )
     if w is not None:
         w._outputs = [output]
     return w
@@ -374,13 +384,13 @@ def reduce_scatter_tensor(
 reduce_scatter_single = reduce_scatter_tensor
 
 
-def _split_counts(splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str) -> list[int] | None:
+def _split_counts(
+    splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str
+) -> list[int] | None:
     """Return per-rank element counts for a split-size argument (None for an even split)."""
     if splits is None or (isinstance(splits, (list, tuple)) and len(splits) == 0):
         if rows % n:
-            raise ValueError(
-                f"{fn}: {arr_name} has {rows} rows, which do not split evenly over {n} ranks; pass {name}"
-            )
+            raise ValueError(f"{fn}: {arr_name} has {rows} rows, which do not split evenly over {n} ranks; pass {name}")
         return None
     if not isinstance(splits, (list, tuple, np.ndarray)):
         raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
@@ -453,7 +463,10 @@ def all_to_all_single(
 
 
 def all_to_all(
-    output_tensor_list: list[Any], input_tensor_list: list[Any], group: ProcessGroup | None = None, async_op: bool = False
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
 ) -> Work | None:
     """Send ``input_tensor_list[i]`` to rank ``i``; receive rank ``i``'s array into ``output_tensor_list[i]``.
 
@@ -574,7 +587,9 @@ def all_gather_coalesced(
     dtype = ins[0].dtype if ins else np.dtype(np.uint8)
     for r, lst in enumerate(outs):
         if len(lst) != len(ins):
-            raise ValueError(f"{fn}: output_tensor_lists[{r}] has {len(lst)} arrays but input_tensor_list has {len(ins)}")
+            raise ValueError(
+                f"{fn}: output_tensor_lists[{r}] has {len(lst)} arrays but input_tensor_list has {len(ins)}"
+            )
         for i, (o, a) in enumerate(zip(lst, ins)):
             if o.dtype != dtype or o.size != a.size:
                 raise ValueError(

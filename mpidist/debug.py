@@ -296,7 +296,9 @@ class DebugBackend:
 
     # -- collectives -------------------------------------------------------------------
     def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Any:
-        call = self._call("broadcast", f"{_arr(buf)} src={self.pg.ranks[root]}", root=root, dtype=buf.dtype.name, size=buf.size)
+        call = self._call(
+            "broadcast", f"{_arr(buf)} src={self.pg.ranks[root]}", root=root, dtype=buf.dtype.name, size=buf.size
+        )
         return self._run(call, buf.nbytes, lambda: self.inner.broadcast(buf, backs, root, async_op))
 
     def all_reduce(self, buf: np.ndarray, backs: Any, op: Any, async_op: bool) -> Any:
@@ -306,7 +308,14 @@ class DebugBackend:
 
     def reduce(self, buf: np.ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Any:
         r = _op_name(op)
-        call = self._call("reduce", f"{_arr(buf)} op={r} dst={self.pg.ranks[root]}", root=root, reduce=r, dtype=buf.dtype.name, size=buf.size)
+        call = self._call(
+            "reduce",
+            f"{_arr(buf)} op={r} dst={self.pg.ranks[root]}",
+            root=root,
+            reduce=r,
+            dtype=buf.dtype.name,
+            size=buf.size,
+        )
         return self._run(call, buf.nbytes, lambda: self.inner.reduce(buf, backs, op, root, async_op))
 
     def all_gather(self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool) -> Any:
@@ -320,12 +329,26 @@ class DebugBackend:
 
     def gather(self, inp: np.ndarray, outs: Any, backs: Any, root: int, async_op: bool) -> Any:
         sizes = [o.size for o in outs] if outs is not None else []
-        call = self._call("gather", f"{_arr(inp)} dst={self.pg.ranks[root]}", root=root, dtype=inp.dtype.name, size=inp.size, sizes=sizes)
+        call = self._call(
+            "gather",
+            f"{_arr(inp)} dst={self.pg.ranks[root]}",
+            root=root,
+            dtype=inp.dtype.name,
+            size=inp.size,
+            sizes=sizes,
+        )
         return self._run(call, inp.nbytes, lambda: self.inner.gather(inp, outs, backs, root, async_op))
 
     def scatter(self, out: np.ndarray, backs: Any, ins: Any, root: int, async_op: bool) -> Any:
         sizes = [a.size for a in ins] if ins is not None else []
-        call = self._call("scatter", f"{_arr(out)} src={self.pg.ranks[root]}", root=root, dtype=out.dtype.name, size=out.size, sizes=sizes)
+        call = self._call(
+            "scatter",
+            f"{_arr(out)} src={self.pg.ranks[root]}",
+            root=root,
+            dtype=out.dtype.name,
+            size=out.size,
+            sizes=sizes,
+        )
         return self._run(call, out.nbytes, lambda: self.inner.scatter(out, backs, ins, root, async_op))
 
     def reduce_scatter(self, out: np.ndarray, backs: Any, ins: Sequence[np.ndarray], op: Any, async_op: bool) -> Any:

@@ -78,7 +78,9 @@ def make_group(
         control_comm.Free()
         comm.Free()
         raise
-    control = MPIBackend(control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks))
+    control = MPIBackend(
+        control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks)
+    )
     factory = _DeviceFactory(options, pg_options)
     pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "", factory)
     if device_impl is not None:
@@ -117,7 +119,9 @@ class _DeviceFactory:
         if wanted in (None, Backend.NCCL) and nccl_usable(arr):
             if wanted is None:
                 return debug.wrap(create_backend(Backend.NCCL, self.options, self.pg_options), pg)
-            raise TypeError(f"{fn}: process group {pg.group_name} has no NCCL communicator (it was created without a usable NCCL)")
+            raise TypeError(
+                f"{fn}: process group {pg.group_name} has no NCCL communicator (it was created without a usable NCCL)"
+            )
         inner = getattr(pg.impl, "inner", pg.impl)  # under a debug wrapper
         if not isinstance(inner, MPIBackend):
             raise TypeError(
@@ -260,7 +264,9 @@ def new_subgroups(
     if group_size > n or n % group_size:
         raise ValueError(f"{fn}: the group size {n} must be divisible by group_size={group_size}")
     lists = [parent.ranks[i : i + group_size] for i in range(0, n, group_size)]
-    return _split(fn, parent.control if group is not None else world.control, lists, td, devices, pg_options, group_desc)
+    return _split(
+        fn, parent.control if group is not None else world.control, lists, td, devices, pg_options, group_desc
+    )
 
 
 def new_subgroups_by_enumeration(

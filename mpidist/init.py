@@ -95,7 +95,11 @@ def _claims(init_method: str | None, rank: int, world_size: int, fn: str) -> lis
 
 def _disagreements(claims: list[tuple[str, str, int]], mpi_rank: int, mpi_size: int) -> str:
     actual = {"rank": mpi_rank, "world_size": mpi_size}
-    bad = [f"{where} says {what}={value} but MPI says {actual[what]}" for where, what, value in claims if value != actual[what]]
+    bad = [
+        f"{where} says {what}={value} but MPI says {actual[what]}"
+        for where, what, value in claims
+        if value != actual[what]
+    ]
     if not bad:
         return ""
     msg = "; ".join(bad)
@@ -158,7 +162,9 @@ def init_process_group(
     fn = "init_process_group"
     with world.lock:
         if world.default_pg is not None:
-            raise RuntimeError(f"{fn}: the default process group is already initialized; call destroy_process_group() first")
+            raise RuntimeError(
+                f"{fn}: the default process group is already initialized; call destroy_process_group() first"
+            )
         td = timeout_arg(timeout, fn, default_pg_timeout)
         devices = parse_backend(backend, fn)
         if init_method is not None and store is not None:
@@ -250,7 +256,11 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     if error:
         world.init_info["store_error"] = error
         return None
-    return made if made is not None else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False)
+    return (
+        made
+        if made is not None
+        else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False)
+    )
 
 
 def get_default_store() -> Any:

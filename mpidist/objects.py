@@ -199,7 +199,13 @@ def gather_object(
         raise ValueError(f"{fn}: object_gather_list must be None on non-destination ranks")
     mine = dumps(obj)
     sizes = np.empty(impl.size, _I64)
-    impl.gather(np.array([mine.size], _I64), [sizes[i : i + 1] for i in range(impl.size)] if at_root else None, None, root, False)
+    impl.gather(
+        np.array([mine.size], _I64),
+        [sizes[i : i + 1] for i in range(impl.size)] if at_root else None,
+        None,
+        root,
+        False,
+    )
     views = _slices(sizes)[1] if at_root else None
     impl.gather(mine, views, None, root, False)
     if views is not None:
@@ -233,7 +239,9 @@ def scatter_object_list(
     if impl.rank == root:
         objs = _check_list(scatter_object_input_list, fn, "scatter_object_input_list")
         if len(objs) != impl.size:
-            raise ValueError(f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks")
+            raise ValueError(
+                f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks"
+            )
         payloads = [dumps(o) for o in objs]
         sizes = np.array([p.size for p in payloads], _I64)
         impl.scatter(size, None, [sizes[i : i + 1] for i in range(impl.size)], root, False)

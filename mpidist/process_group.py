@@ -11,7 +11,16 @@ from ._world import world
 from .backends.base import BaseBackend
 from .errors import RankNotInGroupError
 
-__all__ = ["backend_for", "ProcessGroup", "GroupMember", "group", "resolve_group", "absent", "rank_int", "NON_GROUP_MEMBER"]
+__all__ = [
+    "backend_for",
+    "ProcessGroup",
+    "GroupMember",
+    "group",
+    "resolve_group",
+    "absent",
+    "rank_int",
+    "NON_GROUP_MEMBER",
+]
 
 
 class ProcessGroup:
@@ -61,7 +70,9 @@ class ProcessGroup:
             if d is not None and other is not None and other.takes(arr):
                 return other
             if self._device_factory is None:
-                raise TypeError(f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays")
+                raise TypeError(
+                    f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays"
+                )
             made = self._device_factory(self, fn, arr)
             if d is None:
                 self.device_impl = made

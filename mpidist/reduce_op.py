@@ -122,8 +122,7 @@ def factor_value(factor: Any) -> complex | float | int:
         return factor.item()
     raise TypeError(
         "make_premul_sum: factor must be a real or complex number or a "
-        f"1-element array, got {type(factor).__name__}"
-        + (f" with {size} elements" if isinstance(size, int) else "")
+        f"1-element array, got {type(factor).__name__}" + (f" with {size} elements" if isinstance(size, int) else "")
     )
 
 

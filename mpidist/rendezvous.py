@@ -66,7 +66,11 @@ def plan_from(init_method: str | None, store: Any, claims: list[tuple[str, str, 
     if port and not port.isdigit():
         raise ValueError(f"{fn}: environment variable MASTER_PORT={port!r} is not a port number")
     return Plan(
-        "env", rank, world_size, host=os.environ.get("MASTER_ADDR", "").strip() or None, port=int(port) if port else None
+        "env",
+        rank,
+        world_size,
+        host=os.environ.get("MASTER_ADDR", "").strip() or None,
+        port=int(port) if port else None,
     )
 
 

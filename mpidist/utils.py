@@ -19,8 +19,10 @@ the kind it was given (same dtype, bfloat16 included):
 
 ``AllGatherGrad`` (a ``torch.autograd.Function``) lives in :mod:`mpidist.autograd`
 and is importable from here too, as in Lightning; it needs torch, which this module
-never imports (torch is optional). ``register_ddp_comm_hook`` needs torch's DDP and
-is not provided.
+never imports (torch is optional). :func:`register_ddp_comm_hook` registers one of
+torch's DDP communication hooks (optionally wrapped) on a ``DistributedDataParallel``
+model; it runs over MPI when the model's process group is mpidist's torch backend
+(``import mpidist.torch``; see docs/torch-backend.md).
 """
 
 from __future__ import annotations
@@ -386,6 +388,55 @@ def sync_ddp_if_available(result: Any, group: ProcessGroup | None = None, reduce
     if not distributed_available():
         return result
     return sync_ddp(result, group=group, reduce_op=reduce_op)
+
+
+def register_ddp_comm_hook(
+    model: Any,
+    ddp_comm_state: Any = None,
+    ddp_comm_hook: Any = None,
+    ddp_comm_wrapper: Any = None,
+    *,
+    state: Any = None,
+) -> None:
+    """Register ``ddp_comm_hook`` (wrapped by ``ddp_comm_wrapper`` if given) on a DDP model.
+
+    Lightning's function: nothing happens when ``ddp_comm_hook`` is None; else
+    ``model.register_comm_hook(ddp_comm_state, hook)`` with ``hook =
+    ddp_comm_wrapper(ddp_comm_hook)`` when a wrapper is given. ``state=`` is
+    accepted for ``ddp_comm_state`` (Lightning's documentation uses both).
+
+    Example (``mpiexec -n 2``, with ``import mpidist.torch`` and
+    ``torch.distributed.init_process_group("mpidist")``)::
+
+        >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        >>> dist.register_ddp_comm_hook(model, ddp_comm_hook=default.fp16_compress_hook)
+    """
+    fn = "register_ddp_comm_hook"
+    if state is not None:
+        if ddp_comm_state is not None:
+            raise TypeError(f"{fn}: got both ddp_comm_state and state (its alias); pass one")
+        ddp_comm_state = state
+    if not callable(getattr(model, "register_comm_hook", None)):
+        raise TypeError(
+            f"{fn}: model must be a torch.nn.parallel.DistributedDataParallel (it has register_comm_hook), "
+            f"got {type(model).__name__}"
+        )
+    for arg, value in (("ddp_comm_hook", ddp_comm_hook), ("ddp_comm_wrapper", ddp_comm_wrapper)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{fn}: {arg} must be callable or None, got {type(value).__name__}")
+    if ddp_comm_hook is None:
+        return
+    hook = ddp_comm_hook if ddp_comm_wrapper is None else ddp_comm_wrapper(ddp_comm_hook)
+    log.info(
+        "%s: registering DDP comm hook %s%s",
+        fn,
+        getattr(ddp_comm_hook, "__qualname__", ddp_comm_hook),
+        ""
+        if ddp_comm_wrapper is None
+        else f" wrapped by {getattr(ddp_comm_wrapper, '__qualname__', ddp_comm_wrapper)}",
+    )
+    model.register_comm_hook(state=ddp_comm_state, hook=hook)
 
 
 def _int_arg(value: Any, fn: str, arg: str) -> int:

@@ -100,7 +100,9 @@ def test_not_an_array(fn, kind):
         "isend": (lambda: dist.isend(value, dst=PEER), "isend: tensor"),
     }
     call, where = calls[fn]
-    expect_error_then_working_group(TypeError, rf"^{where} must be an array \(numpy\.ndarray, torch\.Tensor, .*\), {hint}", call)
+    expect_error_then_working_group(
+        TypeError, rf"^{where} must be an array \(numpy\.ndarray, torch\.Tensor, .*\), {hint}", call
+    )
 
 
 _DTYPE_CALLS = {
@@ -657,7 +659,10 @@ def test_prepare_output():
 
 def test_prepare_functions_name_the_function_and_argument():
     cases = [
-        ([1, 2], r"^myfn: myarg must be an array \(numpy\.ndarray, torch\.Tensor, .*\), got builtins\.list; convert it with numpy\.asarray"),
+        (
+            [1, 2],
+            r"^myfn: myarg must be an array \(numpy\.ndarray, torch\.Tensor, .*\), got builtins\.list; convert it with numpy\.asarray",
+        ),
         (np.array([None, 1]), r"^myfn: myarg has dtype object"),
         (np.zeros(3, dtype=[("a", "i4")]), r"^myfn: myarg has dtype structured"),
         (np.zeros(3, ">f4"), r"^myfn: myarg has non-native byte order \(>f4\)"),

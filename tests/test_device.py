@@ -120,7 +120,9 @@ def test_reduce_gather_scatter_roots(mode):
         x = dev(rank_input(RANK, (4,), dt))
         dist.reduce(x, dst=root, op=R.SUM)
         if RANK == root:
-            expect(problems, f"reduce dst={root}", x.host, reference([rank_input(r, (4,), dt) for r in range(SIZE)], R.SUM))
+            expect(
+                problems, f"reduce dst={root}", x.host, reference([rank_input(r, (4,), dt) for r in range(SIZE)], R.SUM)
+            )
         outs = [dev(np.zeros(4, dt)) for _ in range(SIZE)] if RANK == root else None
         dist.gather(dev(rank_input(RANK, (4,), dt)), outs, dst=root)
         if RANK == root:
@@ -146,7 +148,12 @@ def test_all_to_all_single_uneven_and_list(mode):
     expect(problems, "all_to_all_single", out.host, want)
     outs = [dev(np.zeros(2, dt)) for _ in range(SIZE)]
     dist.all_to_all(outs, [dev(np.full(2, 10 * RANK + k, dt)) for k in range(SIZE)])
-    expect(problems, "all_to_all", np.stack([o.host for o in outs]), np.stack([np.full(2, 10 * r + RANK, dt) for r in range(SIZE)]))
+    expect(
+        problems,
+        "all_to_all",
+        np.stack([o.host for o in outs]),
+        np.stack([np.full(2, 10 * r + RANK, dt) for r in range(SIZE)]),
+    )
     fail_together(problems)
 
 
@@ -236,7 +243,12 @@ def test_staging_warns_once_and_can_be_forbidden(monkeypatch):
         problems.append(f"the warning points at {staged[0].filename}, not at the caller")
     monkeypatch.setenv("MPIDIST_DEVICE_STAGING", "error")
     x = dev(np.ones(2))
-    problems += check_raises(TypeError, r"^all_reduce: device arrays would be copied through host memory.*MPIDIST_DEVICE_STAGING=error", dist.all_reduce, x)
+    problems += check_raises(
+        TypeError,
+        r"^all_reduce: device arrays would be copied through host memory.*MPIDIST_DEVICE_STAGING=error",
+        dist.all_reduce,
+        x,
+    )
     expect(problems, "untouched after the refusal", x.host, np.ones(2))
     dist.all_reduce(np.ones(1))  # the group still works
     fail_together(problems)
@@ -332,7 +344,9 @@ def test_gpu_arrays_without_cupy_explain_the_fix(monkeypatch):
     monkeypatch.setattr(world, "device_ops", None)
     problems: list[str] = []
     for obj, what in ((_BareCai(), "a CUDA array"), (_CudaDlpack(), "a CUDA DLPack array")):
-        problems += check_raises(TypeError, rf"^all_reduce: tensor is {what} .*pip install 'mpidist\[gpu\]'", dist.all_reduce, obj)
+        problems += check_raises(
+            TypeError, rf"^all_reduce: tensor is {what} .*pip install 'mpidist\[gpu\]'", dist.all_reduce, obj
+        )
     fail_together(problems)
 
 
@@ -396,7 +410,9 @@ def test_detail_debug_checks_device_calls(monkeypatch):
         expect(problems, "DETAIL all_reduce", x.host, np.full(3, float(SIZE)))
         if SIZE > 1:
             shape = 3 if RANK == 0 else 4
-            problems += check_raises(dist.DistError, r"all_reduce \(call #\d+\).*float64\[3\]", dist.all_reduce, dev(np.ones(shape)), group=g)
+            problems += check_raises(
+                dist.DistError, r"all_reduce \(call #\d+\).*float64\[3\]", dist.all_reduce, dev(np.ones(shape)), group=g
+            )
         dist.destroy_process_group(g)
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)

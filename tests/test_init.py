@@ -412,8 +412,11 @@ def test_store_alone_is_accepted(no_group):
 
 
 def test_store_that_is_not_a_store(no_group):
-    with pytest.raises(TypeError, match=r"^init_process_group: store must be a key-value store .* got object without "
-                       r"set, get, add, wait$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^init_process_group: store must be a key-value store .* got object without "
+        r"set, get, add, wait$",
+    ):
         init(store=object(), rank=RANK, world_size=SIZE)
     assert not dist.is_initialized()
 

@@ -150,8 +150,11 @@ def test_mpi_initialized_too_early_is_a_clear_error(tmp_path):
 
 def test_a_library_without_pmi1_is_refused(monkeypatch):
     monkeypatch.setattr(MPI, "Get_library_version", lambda: "Open MPI v5.0.11, package: Open MPI\n")
-    with pytest.raises(RuntimeError, match=r"^init_process_group: this process was not started by an MPI launcher, "
-                       r"and Open MPI v5\.0\.11.*mpiexec -n N"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^init_process_group: this process was not started by an MPI launcher, "
+        r"and Open MPI v5\.0\.11.*mpiexec -n N",
+    ):
         rendezvous._require_pmi1("init_process_group")
 
 
@@ -187,7 +190,9 @@ def test_plan_from_env(monkeypatch):
         monkeypatch.setenv(var, value)
     plan = rendezvous.plan_from(None, None, _claims(None, -1, -1, "f"), "f")
     assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port) == ("env", 3, 8, "node0", 1234)
-    assert rendezvous.plan_from(None, None, _claims(None, 5, 9, "f"), "f").rank == 5  # arguments win over the environment
+    assert (
+        rendezvous.plan_from(None, None, _claims(None, 5, 9, "f"), "f").rank == 5
+    )  # arguments win over the environment
 
 
 def test_master_port_that_is_not_a_number(monkeypatch):

@@ -1000,3 +1000,20 @@ def test_nested_tensor_raises_type_error():
     problems = check_raises(TypeError, r"^all_reduce: tensor ", dist.all_reduce, nested)
     group_still_works(problems)
     fail_together(problems)
+
+
+def test_tensors_stay_resizable_after_a_collective():
+    """Zero-copy must not pin a tensor's storage (``Tensor.numpy()`` would): torch's code resizes
+    tensors after collectives (DDP's batched PowerSGD hook resizes its bucket), and gloo allows it."""
+    problems = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = torch.ones(4, dtype=dtype)
+        dist.all_reduce(t)
+        dist.broadcast(t, src=0)
+        try:
+            t.resize_(6)
+        except RuntimeError as exc:
+            problems.append(f"{dtype}: {exc}")
+        if not torch.equal(t[:4], torch.full((4,), SIZE, dtype=dtype)):
+            problems.append(f"{dtype}: {t}")
+    fail_together(problems)

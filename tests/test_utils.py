@@ -64,6 +64,7 @@ def test_utilities_refuse_device_arrays():
         problems += check_raises(TypeError, rf"^{name}: \w+ is a device array; {name} takes host arrays", call)
     fail_together(problems)
 
+
 pytestmark = pytest.mark.timeout(120)
 
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))

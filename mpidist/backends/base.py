@@ -133,14 +133,10 @@ class BaseBackend(ABC):
     def reduce(self, buf: np.ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None: ...
 
     @abstractmethod
-    def all_gather(
-        self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool
-    ) -> Work | None: ...
+    def all_gather(self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool) -> Work | None: ...
 
     @abstractmethod
-    def all_gather_into_tensor(
-        self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool
-    ) -> Work | None: ...
+    def all_gather_into_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool) -> Work | None: ...
 
     @abstractmethod
     def gather(

@@ -231,7 +231,10 @@ class MPIBackend(BaseBackend):
             and cls.fast_reduce_scatter_tensor is base.fast_reduce_scatter_tensor
         ):
             cls.fast_reduce_scatter_tensor = BaseBackend.fast_reduce_scatter_tensor  # type: ignore[method-assign]
-        if cls.all_to_all_single is not base.all_to_all_single and cls.fast_all_to_all_single is base.fast_all_to_all_single:
+        if (
+            cls.all_to_all_single is not base.all_to_all_single
+            and cls.fast_all_to_all_single is base.fast_all_to_all_single
+        ):
             cls.fast_all_to_all_single = BaseBackend.fast_all_to_all_single  # type: ignore[method-assign]
 
     def __init__(
@@ -289,7 +292,9 @@ class MPIBackend(BaseBackend):
         _arrays.dtype_info(a.dtype, fn, "array")  # raises the specific TypeError
         raise TypeError(f"{fn}: the MPI backend cannot send {a.dtype.name} arrays")  # pragma: no cover
 
-    def _done(self, op: str, req: MPI.Request, post: Callable[[], None] | None, keep: Any, async_op: bool) -> Work | None:
+    def _done(
+        self, op: str, req: MPI.Request, post: Callable[[], None] | None, keep: Any, async_op: bool
+    ) -> Work | None:
         """Return a Work for ``req``, or wait for it (within the timeout) and finish."""
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
@@ -559,9 +564,7 @@ class MPIBackend(BaseBackend):
             raise self._fail("reduce_scatter_tensor", exc) from exc
         return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
 
-    def reduce_scatter(
-        self, out: ndarray, backs: Any, ins: Sequence[ndarray], op: Any, async_op: bool
-    ) -> Work | None:
+    def reduce_scatter(self, out: ndarray, backs: Any, ins: Sequence[ndarray], op: Any, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "reduce_scatter")
         counts = [a.size for a in ins]
@@ -698,9 +701,7 @@ class MPIBackend(BaseBackend):
         post = None if backs is None else (lambda: _write_backs(backs))
         return self._done("all_to_all_single", req, post, (inp, out), async_op)
 
-    def all_to_all(
-        self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool
-    ) -> Work | None:
+    def all_to_all(self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool) -> Work | None:
         self.seq += 1
         rmsg, _, staged = _vector(outs, "all_to_all", "output_tensor_list", True)
         if any(_arrays.may_overlap(o, a) for o in outs for a in ins):

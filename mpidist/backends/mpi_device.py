@@ -65,7 +65,9 @@ def _distinct_outputs(outs: Sequence[Any] | None, fn: str, arg: str) -> None:
     """Refuse device outputs that overlap (staging would hide it; the MPI backend refuses it for host ones)."""
     if not outs:
         return
-    spans = sorted((a.device, a.ptr, a.ptr + a.nbytes, i) for i, a in enumerate(outs) if type(a) is DeviceArray and a.nbytes)
+    spans = sorted(
+        (a.device, a.ptr, a.ptr + a.nbytes, i) for i, a in enumerate(outs) if type(a) is DeviceArray and a.nbytes
+    )
     for (d1, _, end, i), (d2, start, _, j) in zip(spans, spans[1:]):
         if d1 == d2 and start < end:
             i, j = min(i, j), max(i, j)

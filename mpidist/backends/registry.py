@@ -10,7 +10,15 @@ from typing import Any, Callable
 from .._world import BackendEntry, world
 from .base import BaseBackend
 
-__all__ = ["Backend", "BackendOptions", "parse_backend", "create_backend", "nccl_importable", "nccl_available", "nccl_usable"]
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "parse_backend",
+    "create_backend",
+    "nccl_importable",
+    "nccl_available",
+    "nccl_usable",
+]
 
 
 class Backend(str):
@@ -156,7 +164,9 @@ def _known(name: str, fn: str) -> str:
     if name in world.backends:
         return name
     available = ", ".join(sorted(world.backends))
-    raise ValueError(f"{fn}: unknown backend {name!r}; available: {available} (or one registered with Backend.register_backend)")
+    raise ValueError(
+        f"{fn}: unknown backend {name!r}; available: {available} (or one registered with Backend.register_backend)"
+    )
 
 
 def create_backend(name: str, options: BackendOptions, pg_options: Any) -> BaseBackend:

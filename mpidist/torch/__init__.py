@@ -22,9 +22,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from . import _mpi_name, _rendezvous
+from ._mpi_name import status as mpi_name_status
 from .backend import BACKEND_NAME, ProcessGroupMPIDist, register
 
-__all__ = ["BACKEND_NAME", "ProcessGroupMPIDist", "register"]
+__all__ = ["BACKEND_NAME", "ProcessGroupMPIDist", "mpi_name_status", "register"]
 
 register()
 _rendezvous.install()

@@ -18,7 +18,7 @@ has its own MPI. Where the shape differs, ``"mpi"`` keeps torch's behaviour,
 with an error that points to ``"mpidist"`` instead.
 
 These are private torch internals (checked against torch 2.1-2.13); the check
-runs at ``import mpidist.torch`` and :data:`STATUS` says what happened.
+runs at ``import mpidist.torch`` and :func:`status` says what applies.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ import torch.distributed as dist
 
 from .backend import create_process_group
 
-__all__ = ["install", "STATUS", "MPI_NAME"]
+__all__ = ["install", "status", "MPI_NAME"]
 
 MPI_NAME = "mpi"
-#: what install() did: "installed", "torch has MPI", or why the shape did not match
-STATUS = "not installed"
 
 _HELPER = "_new_process_group_helper"
 
@@ -83,25 +81,29 @@ def _shape_problem(c10d: Any) -> str:
     return ""
 
 
-def install() -> str:
-    """Make ``"mpi"`` run on mpidist where torch has no MPI of its own (idempotent); return :data:`STATUS`."""
-    global STATUS
+def status() -> str:
+    """What the name "mpi" means on this torch: "installed" (mpidist serves it), "torch has MPI", or why not."""
     c10d = _c10d()
     current = getattr(c10d, "ProcessGroupMPI", None)
     if current is ProcessGroupMPI:
-        return STATUS
+        return "installed"
     if current is not None or getattr(c10d, "_MPI_AVAILABLE", False):
-        STATUS = "torch has MPI"  # its own backend: never touched
-        return STATUS
+        return "torch has MPI"  # its own backend: never touched
     problem = _shape_problem(c10d)
-    if problem:
-        STATUS = f"not installed: {problem} (torch {torch.__version__})"
+    return f"not installed: {problem} (torch {torch.__version__})" if problem else "not installed"
+
+
+def install() -> str:
+    """Make ``"mpi"`` run on mpidist where torch has no MPI of its own (idempotent); return :func:`status`."""
+    now = status()
+    if now == "not installed":  # the shape matches: install
+        c10d = _c10d()
+        c10d.ProcessGroupMPI = ProcessGroupMPI
+        c10d._MPI_AVAILABLE = True
+        return status()
+    if now.startswith("not installed"):
         _explain_failures()
-        return STATUS
-    c10d.ProcessGroupMPI = ProcessGroupMPI
-    c10d._MPI_AVAILABLE = True
-    STATUS = "installed"
-    return STATUS
+    return now
 
 
 def _explain_failures() -> None:
@@ -119,7 +121,7 @@ def _explain_failures() -> None:
                 if "MPI built in" not in str(exc):
                     raise
                 raise RuntimeError(
-                    f"{exc}. mpidist could not provide the name 'mpi' on this torch ({STATUS}); "
+                    f"{exc}. mpidist could not provide the name 'mpi' on this torch ({status()}); "
                     "use backend='mpidist' instead (import mpidist.torch registers it)"
                 ) from exc
 

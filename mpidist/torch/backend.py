@@ -39,8 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import collectives as C
-from .. import p2p
+from .. import collectives, p2p
 from .._world import world
 from ..groups import new_group
 from ..init import destroy_process_group as _destroy
@@ -55,8 +54,10 @@ BACKEND_NAME = "mpidist"
 
 _TorchRedOp = dist.ReduceOp.RedOpType
 #: torch's reduction kinds by number -> mpidist's (the same numbering; PREMUL_SUM also carries a factor)
-_OPS = tuple(RedOpType[k.name] if k.name in RedOpType.__members__ else None for k in sorted(
-    _TorchRedOp.__members__.values(), key=lambda k: k.value))
+_OPS = tuple(
+    RedOpType[k.name] if k.name in RedOpType.__members__ else None
+    for k in sorted(_TorchRedOp.__members__.values(), key=lambda k: k.value)
+)
 _PREMUL = int(_TorchRedOp.PREMUL_SUM.value)
 _AllreduceOptions = dist.AllreduceOptions
 _get_ident = threading.get_ident
@@ -114,12 +115,13 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     (its ``mpi_comm`` is the group's MPI communicator).
     """
 
-    def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool) -> None:
+    def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool, default: bool = False) -> None:
         super().__init__(main.rank(), main.size())
         self._main = main
         self._side = side
         self._backend_name = backend_name
         self._owns_world = owns_world
+        self._default = default  # torch's default group
         self._group_name = ""
         self._group_desc = ""
         self._coalesced: list[Any] | None = None  # works between _start_coalescing and _end_coalescing
@@ -171,7 +173,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if type(opts) is not _AllreduceOptions:  # pg.allreduce(tensor[, op]): torch's convenience forms
             opts = _allreduce_options(opts)
         t = tensors[0] if type(tensors) is list and len(tensors) == 1 else _one(tensors, "allreduce")
-        w = C.all_reduce(
+        w = collectives.all_reduce(
             t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
         )
         if w is None:
@@ -179,37 +181,43 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         return self._work(w, tensors if type(tensors) is list else [t], "allreduce")
 
     def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> TorchWork | None:
-        w = C.all_reduce_coalesced(tensors, _op(opts.reduceOp, "allreduce_coalesced"), self._lane(), opts.asyncOp)
-        return self._work(w, tensors, "allreduce_coalesced")
+        op, lane = _op(opts.reduceOp, "allreduce_coalesced"), self._lane()
+        by_dtype: dict[Any, list[Any]] = {}
+        for t in tensors:  # torch's coalescing manager mixes dtypes; one flat buffer per dtype
+            by_dtype.setdefault(t.dtype, []).append(t)
+        works = [collectives.all_reduce_coalesced(same, op, lane, True) for same in by_dtype.values()]
+        return self._sync_or_work(works, tensors, opts, "allreduce_coalesced")
 
     def broadcast(self, tensors: Any, opts: Any) -> TorchWork | None:
         t = _one(tensors, "broadcast")
-        w = C.broadcast(t, group=self._lane(), async_op=opts.asyncOp, group_src=opts.rootRank)
+        w = collectives.broadcast(t, group=self._lane(), async_op=opts.asyncOp, group_src=opts.rootRank)
         return self._work(w, tensors, "broadcast")
 
     def reduce(self, tensors: Any, opts: Any) -> TorchWork | None:
         t = _one(tensors, "reduce")
-        w = C.reduce(t, op=_op(opts.reduceOp, "reduce"), group=self._lane(), async_op=opts.asyncOp, group_dst=opts.rootRank)
+        w = collectives.reduce(
+            t, op=_op(opts.reduceOp, "reduce"), group=self._lane(), async_op=opts.asyncOp, group_dst=opts.rootRank
+        )
         return self._work(w, tensors, "reduce")
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
         outs = _one(output_tensors, "allgather", "output_tensors")
-        w = C.all_gather(outs, _one(input_tensors, "allgather", "input_tensors"), self._lane(), opts.asyncOp)
+        w = collectives.all_gather(outs, _one(input_tensors, "allgather", "input_tensors"), self._lane(), opts.asyncOp)
         return self._work(w, output_tensors, "allgather")
 
     def all_gather_single(self, output: Any, input: Any, opts: Any) -> TorchWork | None:
-        w = C.all_gather_into_tensor(output, input, self._lane(), opts.asyncOp)
+        w = collectives.all_gather_into_tensor(output, input, self._lane(), opts.asyncOp)
         return self._work(w, [output], "all_gather_single")
 
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any) -> TorchWork | None:
-        w = C.all_gather_coalesced(output_lists, input_list, self._lane(), opts.asyncOp)
+        w = collectives.all_gather_coalesced(output_lists, input_list, self._lane(), opts.asyncOp)
         return self._work(w, output_lists, "allgather_coalesced")
 
     def all_gather_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> TorchWork | None:
         lane = self._lane()
-        works = [C.all_gather_into_tensor(o, i, lane, True) for o, i in zip(outputs, inputs)]
+        works = [collectives.all_gather_into_tensor(o, i, lane, True) for o, i in zip(outputs, inputs)]
         return self._sync_or_work(works, outputs, opts, "all_gather_single_coalesced")
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -218,31 +226,33 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         inp = _one(input_tensors, "gather", "input_tensors")
         root = opts.rootRank
         outs = _one(output_tensors, "gather", "output_tensors") if self.rank() == root else None
-        w = C.gather(inp, outs, group=self._lane(), async_op=opts.asyncOp, group_dst=root)
+        w = collectives.gather(inp, outs, group=self._lane(), async_op=opts.asyncOp, group_dst=root)
         return self._work(w, output_tensors, "gather")
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
         out = _one(output_tensors, "scatter", "output_tensors")
         root = opts.rootRank
         ins = _one(input_tensors, "scatter", "input_tensors") if self.rank() == root else None
-        w = C.scatter(out, ins, group=self._lane(), async_op=opts.asyncOp, group_src=root)
+        w = collectives.scatter(out, ins, group=self._lane(), async_op=opts.asyncOp, group_src=root)
         return self._work(w, output_tensors, "scatter")
 
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
         out = _one(output_tensors, "reduce_scatter", "output_tensors")
         ins = _one(input_tensors, "reduce_scatter", "input_tensors")
-        w = C.reduce_scatter(out, ins, _op(opts.reduceOp, "reduce_scatter"), self._lane(), opts.asyncOp)
+        w = collectives.reduce_scatter(out, ins, _op(opts.reduceOp, "reduce_scatter"), self._lane(), opts.asyncOp)
         return self._work(w, output_tensors, "reduce_scatter")
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any) -> TorchWork | None:
-        w = C.reduce_scatter_tensor(output, input, _op(opts.reduceOp, "reduce_scatter_single"), self._lane(), opts.asyncOp)
+        w = collectives.reduce_scatter_tensor(
+            output, input, _op(opts.reduceOp, "reduce_scatter_single"), self._lane(), opts.asyncOp
+        )
         return self._work(w, [output], "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> TorchWork | None:
         op, lane = _op(opts.reduceOp, "reduce_scatter_single_coalesced"), self._lane()
-        works = [C.reduce_scatter_tensor(o, i, op, lane, True) for o, i in zip(outputs, inputs)]
+        works = [collectives.reduce_scatter_tensor(o, i, op, lane, True) for o, i in zip(outputs, inputs)]
         return self._sync_or_work(works, outputs, opts, "reduce_scatter_single_coalesced")
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -250,7 +260,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     def all_to_all_single(
         self, output: Any, input: Any, output_split_sizes: list[int], input_split_sizes: list[int], opts: Any
     ) -> TorchWork | None:
-        w = C.all_to_all_single(
+        w = collectives.all_to_all_single(
             output, input, list(output_split_sizes) or None, list(input_split_sizes) or None, self._lane(), opts.asyncOp
         )
         return self._work(w, [output], "all_to_all_single")
@@ -258,16 +268,16 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[Any], input_tensors: list[Any], opts: Any) -> TorchWork | None:
-        w = C.all_to_all(output_tensors, input_tensors, self._lane(), opts.asyncOp)
+        w = collectives.all_to_all(output_tensors, input_tensors, self._lane(), opts.asyncOp)
         return self._work(w, output_tensors, "alltoall")
 
     def barrier(self, opts: Any = None) -> TorchWork | None:
         async_op = True if opts is None else opts.asyncOp
         timeout = None if opts is None or opts.timeout == _UNSET else opts.timeout
         if not async_op:
-            C.barrier(self._lane(), timeout=timeout)
+            collectives.barrier(self._lane(), timeout=timeout)
             return None
-        w = C.barrier(self._lane(), async_op=True)
+        w = collectives.barrier(self._lane(), async_op=True)
         return self._work(w, [], "barrier")
 
     def _sync_or_work(self, works: list[Any], outputs: Any, opts: Any, op: str) -> TorchWork | None:
@@ -308,13 +318,12 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        default = self._main is world.default_pg
-        if default:
-            engine.drain()
-        for g in (self._side, None if default else self._main):
+        if self._default:
+            engine.drain()  # torch's default group: finish every queued work and callback first
+        for g in (self._side, None if self._owns_world else self._main):
             if g is not None and not g.destroyed:
                 _destroy(g)
-        if default and self._owns_world and world.default_pg is not None:
+        if self._owns_world and world.default_pg is not None:
             _destroy()
 
     def abort(self) -> None:
@@ -329,28 +338,31 @@ def create_process_group(
 ) -> ProcessGroupMPIDist:
     """Build the torch group over global ``ranks`` ([] for the default group); members only.
 
-    The default group uses mpidist's default group, initializing it (with
-    ``store`` for worlds started without an MPI launcher) unless the program
-    already did; other groups are made by their members alone
-    (``MPI_Comm_create_group``), as torch calls the creator on members only.
+    The default group is mpidist's default group when torch starts mpidist
+    (with ``store`` for worlds started without an MPI launcher, and torch's
+    ``timeout``); when the program had already started mpidist, it is a new
+    group over all ranks with torch's timeout (mpidist's own calls and torch's
+    then never share a communicator). Other groups are made by their members
+    alone (``MPI_Comm_create_group``), as torch calls the creator on members only.
     """
     if not ranks:
         owns = world.default_pg is None
         if owns:
             _init(timeout=timeout, store=store, rank=rank, world_size=size)
-        main = world.default_pg
-        if size > 0 and main.size() != size:
+        everyone = world.default_pg
+        if size > 0 and everyone.size() != size:
             raise ValueError(
                 f"init_process_group: torch asked for a world of {size} processes but mpidist's default group "
-                f"has {main.size()}; destroy mpidist's group first or start the job with {size} processes"
+                f"has {everyone.size()}; destroy mpidist's group first or start the job with {size} processes"
             )
-        members = list(range(main.size()))
+        members = list(range(everyone.size()))
+        main = everyone if owns else new_group(members, timeout=timeout)
     else:
         owns = False
         members = list(ranks)
         main = new_group(members, timeout=timeout, use_local_synchronization=True)
     side = new_group(members, timeout=timeout, use_local_synchronization=True)
-    return ProcessGroupMPIDist(main, side, backend_name, owns)
+    return ProcessGroupMPIDist(main, side, backend_name, owns, default=not ranks)
 
 
 def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGroupMPIDist:

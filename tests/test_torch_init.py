@@ -1,0 +1,181 @@
+"""Starting torch.distributed on mpidist: every way a torch program starts its default group.
+
+Under mpiexec with nothing set (rank, size and the rendezvous come from MPI),
+through torch's env://, tcp://, file:// and ``store=`` paths, with ``timeout=``
+honoured, with the name ``"mpi"``, and destroyed then started again. The last test
+starts plain ``python`` processes (no launcher) that form a world through torch's
+env:// variables, where ``init_process_group("mpidist")`` starts mpidist itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+from mpi4py import MPI
+
+from helpers import fail_together
+
+torch = pytest.importorskip("torch")
+tdist = pytest.importorskip("torch.distributed")
+mpidist_torch = pytest.importorskip("mpidist.torch")
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def fresh():
+    """No torch default group before or after; torchrun's variables removed (restored afterwards)."""
+    if tdist.is_initialized():
+        pytest.skip("torch.distributed was left initialized by another test")
+    saved = dict(os.environ)
+    for var in TORCHRUN_VARS + RENDEZVOUS_VARS:
+        os.environ.pop(var, None)
+    try:
+        yield
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)  # init fills torchrun's variables: take them away again
+
+
+def _sum_check(what: str) -> list[str]:
+    t = torch.tensor([RANK + 1.0])
+    tdist.all_reduce(t)
+    expected = SIZE * (SIZE + 1) / 2
+    return [] if t.item() == expected else [f"{what}: all_reduce gave {t.item()}, expected {expected}"]
+
+
+def test_nothing_set_under_mpiexec(fresh):
+    tdist.init_process_group("mpidist", timeout=timedelta(seconds=42))
+    problems = _sum_check("env-free init")
+    if (tdist.get_rank(), tdist.get_world_size()) != (RANK, SIZE):
+        problems.append(f"rank/size {tdist.get_rank()}/{tdist.get_world_size()}")
+    if tdist.group.WORLD.mpidist_group.timeout != timedelta(seconds=42):
+        problems.append(f"timeout {tdist.group.WORLD.mpidist_group.timeout}")
+    # torchrun's variables now exist, derived from MPI, for code that reads them
+    env = {v: os.environ.get(v) for v in TORCHRUN_VARS + RENDEZVOUS_VARS}
+    if env["RANK"] != str(RANK) or env["WORLD_SIZE"] != str(SIZE) or env["LOCAL_RANK"] != str(RANK):
+        problems.append(f"environment {env}")  # one node: the local rank is the rank
+    fail_together(problems)
+
+
+def test_the_variables_the_user_set_are_kept(fresh, monkeypatch):
+    port = MPI.COMM_WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("LOCAL_RANK", "7")
+    tdist.init_process_group("mpidist")
+    problems = _sum_check("user's MASTER_PORT")
+    if os.environ["MASTER_PORT"] != str(port) or os.environ["LOCAL_RANK"] != "7":
+        problems.append(f"overrode the user's values: {os.environ['MASTER_PORT']} {os.environ['LOCAL_RANK']}")
+    fail_together(problems)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_file_and_store_init_then_init_again(fresh, tmp_path):
+    tmpdir = MPI.COMM_WORLD.bcast(str(tmp_path) if RANK == 0 else None, root=0)
+    port = MPI.COMM_WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
+    problems = []
+    forms = {
+        "tcp://": {"init_method": f"tcp://127.0.0.1:{port}"},
+        "file://": {"init_method": f"file://{tmpdir}/rendezvous"},
+        "store=": {"store": tdist.FileStore(f"{tmpdir}/store", SIZE)},
+    }
+    for name, kwargs in forms.items():
+        tdist.init_process_group("mpidist", rank=RANK, world_size=SIZE, timeout=timedelta(seconds=50), **kwargs)
+        problems += _sum_check(name)
+        if tdist.get_backend() != "mpidist" or tdist.group.WORLD.mpidist_group.timeout != timedelta(seconds=50):
+            problems.append(f"{name}: backend {tdist.get_backend()}")
+        tdist.destroy_process_group()
+        if tdist.is_initialized():
+            problems.append(f"{name}: still initialized after destroy_process_group")
+        MPI.COMM_WORLD.barrier()
+    fail_together(problems)
+
+
+def test_the_mpi_name_as_the_default_group(fresh):
+    if not mpidist_torch.mpi_name_status().startswith("installed"):
+        pytest.skip(f"the 'mpi' name is not served here: {mpidist_torch.mpi_name_status()}")
+    tdist.init_process_group("mpi", timeout=timedelta(seconds=33))
+    problems = _sum_check("'mpi'")
+    if tdist.get_backend() != "mpi" or not tdist.is_mpi_available():
+        problems.append(f"get_backend() {tdist.get_backend()}, is_mpi_available() {tdist.is_mpi_available()}")
+    if tdist.group.WORLD.mpidist_group.timeout != timedelta(seconds=33):
+        problems.append(f"timeout {tdist.group.WORLD.mpidist_group.timeout}")
+    fail_together(problems)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json
+    import mpidist.torch
+    import torch, torch.distributed as dist
+    from datetime import timedelta
+
+    dist.init_process_group("mpidist", timeout=timedelta(seconds=60))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    odd = dist.new_group([r for r in range(size) if r % 2])
+    y = torch.ones(2)
+    if rank % 2:
+        dist.all_reduce(y, group=odd)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    model(torch.full((1, 2), float(rank))).sum().backward()
+    grad = model.module.weight.grad.tolist()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps({"rank": rank, "size": size, "sum": t.item(), "odd": y.tolist(), "grad": grad}))
+    """
+)
+
+
+@pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+def test_plain_processes_form_a_world_through_env(tmp_path):
+    n, port = 2, _free_port()
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    launcher = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(launcher) and k not in TORCHRUN_VARS}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=dict(base, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    results = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=100)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"process {r} did not finish within 100 s")
+        assert p.returncode == 0, f"process {r} exited with {p.returncode}:\n{err[-3000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
+        results.append(json.loads(lines[0][len("RESULT ") :]))
+    for r, got in enumerate(results):
+        assert (got["rank"], got["size"], got["sum"]) == (r, n, 3.0)
+        assert got["odd"] == [1.0, 1.0]  # rank 1 alone in the odd group
+        assert got["grad"] == [[0.5, 0.5]]  # DDP averages the gradients [0, 0] and [1, 1]
