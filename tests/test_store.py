@@ -576,12 +576,16 @@ def test_tcp_store_get_waits_for_another_rank(tcp_world):
     store = tcp_world
     problems: list[str] = []
     setter = SIZE - 1
+    timer = None
     if SIZE == 1:
-        threading.Timer(0.2, store.set, ("late", b"\x00value")).start()
+        timer = threading.Timer(0.2, store.set, ("late", b"\x00value"))
+        timer.start()
     elif RANK == setter:
         time.sleep(0.2)
         attempt(problems, "set", store.set, "late", b"\x00value")
     got = attempt(problems, "get", store.get, "late")
+    if timer is not None:
+        timer.join(10)  # its set may still wait for its reply: the store must outlive it
     expect(problems, got == b"\x00value", f"got {got!r}")
     fail_together(problems)
 

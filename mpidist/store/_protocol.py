@@ -5,7 +5,11 @@ a one-byte code (a :class:`Cmd` in requests, a :class:`Status` in replies), the
 number of fields (4 bytes), and each field as its length (8 bytes) and bytes.
 Keys travel UTF-8 encoded, integers and timeouts as decimal text (timeouts in
 milliseconds, ``-1`` for none). A connection starts with ``HELLO`` carrying
-:data:`MAGIC`; the server drops a connection that starts otherwise.
+:data:`MAGIC`; the server drops a connection that starts otherwise (after an
+``ERROR`` reply if it was a ``HELLO`` of another version). The client accepts
+no handshake reply longer than :data:`MAX_HELLO_BYTES`, and no frame longer
+than :data:`MAX_FRAME_BYTES`; a frame is read as its bytes arrive, so a bogus
+length never allocates memory it does not fill.
 
 Example::
 
@@ -27,10 +31,13 @@ __all__ = [
     "Status",
     "MAGIC",
     "MAX_HELLO_BYTES",
+    "MAX_FRAME_BYTES",
     "LENGTH",
     "encode",
     "decode",
     "recv_frame",
+    "recv_exact",
+    "frame_length",
     "key_field",
     "key_of",
     "int_field",
@@ -43,6 +50,10 @@ __all__ = [
 MAGIC = b"mpidist-tcpstore-1"
 #: the largest frame accepted before HELLO (a stray connection cannot make the server buffer more)
 MAX_HELLO_BYTES = 1024
+#: the largest frame a client accepts (1 TiB): a longer length means the stream is not this protocol
+MAX_FRAME_BYTES = 1 << 40
+#: frames up to this size are read into one buffer allocated at once; longer ones grow as bytes arrive
+_PREALLOC_BYTES = 64 << 20
 
 LENGTH = struct.Struct("!Q")
 _HEAD = struct.Struct("!BI")
@@ -107,22 +118,52 @@ def decode(body: bytes | bytearray | memoryview) -> tuple[int, list[bytes]]:
     return code, fields
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Read exactly ``n`` bytes; ConnectionError if the peer closes first."""
+    if n > _PREALLOC_BYTES:
+        return _recv_growing(sock, n)
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("the server closed the connection")
+            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
         got += k
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, list[bytes]]:
-    """Read one frame from a blocking socket and return (code, fields)."""
-    (n,) = LENGTH.unpack(_recv_exact(sock, LENGTH.size))
-    return decode(_recv_exact(sock, n))
+def _recv_growing(sock: socket.socket, n: int) -> bytearray:
+    """Read exactly ``n`` bytes into a buffer that doubles as they arrive (from _PREALLOC_BYTES)."""
+    buf = bytearray(_PREALLOC_BYTES)
+    got = 0
+    while got < n:
+        if got == len(buf):
+            buf += bytes(min(len(buf), n - got))
+        k = sock.recv_into(memoryview(buf)[got:])
+        if k == 0:
+            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def frame_length(head: bytes | bytearray, limit: int) -> int:
+    """Return the body length a frame's first 8 bytes announce; ValueError outside ``_HEAD.size..limit``."""
+    (n,) = LENGTH.unpack(head)
+    if n < _HEAD.size or n > limit:
+        raise ValueError(f"it announced a frame of {n} bytes; frames hold {_HEAD.size} to {limit} bytes")
+    return n
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[int, list[bytes]]:
+    """Read one frame of at most ``limit`` bytes from a blocking socket and return (code, fields).
+
+    Raises:
+        ConnectionError: the peer closed the connection (OSError: the socket failed or timed out).
+        ValueError: the bytes are not a frame of this protocol, or it is longer than ``limit``.
+    """
+    n = frame_length(recv_exact(sock, LENGTH.size), limit)
+    return decode(recv_exact(sock, n))
 
 
 def key_field(key: str) -> bytes:

@@ -6,7 +6,15 @@ waits (``GET``, ``WAIT``, ``MULTI_GET`` on missing keys) does not block the
 thread: it is parked as a :class:`_Waiter` under one of its missing keys and
 answered when that key (then every other) is set, or with ``TIMEOUT`` when its
 deadline passes; meanwhile the server serves the other clients. A client's
-next request is read only once its parked one is answered.
+next request is handled only once its parked one is answered.
+
+The server holds a bounded amount for each client (see docs/stores-robustness.md):
+a client that sends requests without reading the replies is dropped once more
+than ``max_queued_bytes`` of replies wait for it (one reply, however large, is
+always allowed), and so is a client that sends more than that while its
+request is parked. A dropped client's buffers are freed at once. When
+``accept()`` fails (too many open files), the server stops listening for a
+pause that doubles up to a second, instead of spinning.
 
 :data:`registry` holds the servers shared by ``multi_tenant`` stores of this
 process.
@@ -22,8 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
+import logging
 import os
 import selectors
 import socket
@@ -37,12 +47,22 @@ from . import _protocol as wire
 from ._protocol import Cmd, Status
 from .base import NotACounterError, compare_set_value, parse_counter
 
-__all__ = ["StoreServer", "ServerRegistry", "registry", "listen", "adopt_listener"]
+__all__ = ["StoreServer", "ServerRegistry", "registry", "listen", "adopt_listener", "MAX_QUEUED_BYTES"]
 
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags of the listening socket and the wake-up pair
 _RECV_BYTES = 1 << 20
 _BACKLOG = 1024
+#: the default bound on the replies queued for one client (bytes)
+MAX_QUEUED_BYTES = 8 << 20
+#: what a queued reply costs beyond its bytes (its buffer objects), so small replies count too
+_REPLY_COST = 256
+#: pauses after accept() fails: first, cap (seconds)
+_ACCEPT_PAUSE_FIRST_S, _ACCEPT_PAUSE_MAX_S = 0.01, 1.0
+#: accept() errors that concern only the connection being accepted (accept the next one at once)
+_ACCEPT_SKIP = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+
+logger = logging.getLogger("mpidist.store")
 
 
 def listen(host: str, port: int, fn: str) -> socket.socket:
@@ -100,13 +120,15 @@ def adopt_listener(fd: int, port: int, fn: str) -> socket.socket:
 class _Conn:
     """One client connection: its socket, unparsed input, unsent output, parked request."""
 
-    __slots__ = ("sock", "inbuf", "pos", "out", "mask", "hello", "waiter", "closed")
+    __slots__ = ("sock", "peer", "inbuf", "pos", "out", "queued", "mask", "hello", "waiter", "closed")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
+        self.peer = peer  # the client's address, for messages
         self.inbuf = bytearray()
         self.pos = 0  # start of the unparsed input in inbuf
         self.out: deque[memoryview] = deque()
+        self.queued = 0  # what ``out`` holds: its bytes plus _REPLY_COST per reply
         self.mask = _READ
         self.hello = False
         self.waiter: _Waiter | None = None
@@ -119,7 +141,7 @@ class _Waiter:
     __slots__ = ("conn", "cmd", "keys", "deadline", "parked_on", "done")
 
     def __init__(self, conn: _Conn, cmd: Cmd, keys: list[str], deadline: float | None) -> None:
-        self.conn = conn
+        self.conn: _Conn | None = conn  # None once done (a waiter left in the deadline heap holds nothing)
         self.cmd = cmd
         self.keys = keys
         self.deadline = deadline
@@ -132,6 +154,9 @@ class StoreServer:
 
     Args:
         listener: a listening TCP socket; the server owns and closes it.
+        max_queued_bytes: drop a client once the replies it has not read
+            exceed this many bytes (beyond one reply), or once it sends this
+            many bytes while a request of its is parked.
 
     Example::
 
@@ -142,7 +167,12 @@ class StoreServer:
         >>> server.stop()
     """
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, *, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        if not isinstance(max_queued_bytes, int) or isinstance(max_queued_bytes, bool):
+            raise TypeError(f"StoreServer: max_queued_bytes must be an int, got {type(max_queued_bytes).__name__}")
+        if max_queued_bytes <= 0:
+            raise ValueError(f"StoreServer: max_queued_bytes must be positive, got {max_queued_bytes}")
+        self._max_queued = max_queued_bytes
         self._listener = listener
         self._listener.setblocking(False)
         self.address: tuple[str, int] = tuple(listener.getsockname()[:2])  # type: ignore[assignment]
@@ -157,6 +187,10 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._parked: dict[str, list[_Waiter]] = {}  # missing key -> waiters parked under it
         self._deadlines: list[tuple[float, int, _Waiter]] = []  # heap
+        self._done_in_heap = 0  # entries of _deadlines whose waiter is done
+        self._accept_pause = 0.0  # the last pause after accept() failed (0: accepting works)
+        self._accept_at: float | None = None  # when to listen again, while paused
+        self.dropped = 0  # clients dropped for exceeding max_queued_bytes (for tests and monitoring)
         self._seq = itertools.count()
         self._resume: deque[_Conn] = deque()  # connections whose parked request was answered
         self._conns: set[_Conn] = set()
@@ -203,22 +237,32 @@ class StoreServer:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                for key, mask in self._sel.select(self._next_timeout()):
-                    tag = key.data
-                    if tag is _LISTENER:
-                        self._accept()
-                    elif tag is _WAKE:
-                        self._drain_wake()
-                    else:
-                        if mask & _READ:
-                            self._read(tag)
-                        if mask & _WRITE and not tag.closed:
-                            self._flush(tag)
+                self._dispatch(self._sel.select(self._next_timeout()))
                 self._expire()
+                if self._accept_at is not None and time.monotonic() >= self._accept_at:
+                    self._resume_accepting()
                 while self._resume:
                     self._process(self._resume.popleft())
         finally:
             self._close_all()
+
+    def _dispatch(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """Handle the events of one select.
+
+        A method of its own, so that no local variable keeps a dropped
+        connection alive while the loop waits for the next event.
+        """
+        for key, mask in events:
+            tag = key.data
+            if tag is _LISTENER:
+                self._accept()
+            elif tag is _WAKE:
+                self._drain_wake()
+            else:
+                if mask & _READ:
+                    self._read(tag)
+                if mask & _WRITE and not tag.closed:
+                    self._flush(tag)
 
     def _close_all(self) -> None:
         if self._closed:
@@ -237,9 +281,11 @@ class StoreServer:
     def _next_timeout(self) -> float | None:
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
-        if not self._deadlines:
-            return None
-        return max(0.0, self._deadlines[0][0] - time.monotonic())
+            self._done_in_heap -= 1
+        wake = [self._deadlines[0][0]] if self._deadlines else []
+        if self._accept_at is not None:
+            wake.append(self._accept_at)
+        return max(0.0, min(wake) - time.monotonic()) if wake else None
 
     def _drain_wake(self) -> None:
         try:
@@ -251,21 +297,48 @@ class StoreServer:
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:
+                if exc.errno in _ACCEPT_SKIP:
+                    continue  # that connection is gone; the next may be fine
+                self._pause_accepting(exc)  # e.g. too many open files: the connection waits in the backlog
+                return
+            self._accept_pause = 0.0
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
-                return  # e.g. too many open files: leave it in the backlog
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+                sock.close()
+                continue
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
             self._conns.add(conn)
             self._sel.register(sock, _READ, conn)
 
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Stop listening for a while (doubling from 10 ms to 1 s), so a failing accept() does not spin."""
+        if not self._accept_pause:
+            logger.warning(
+                "TCPStore server on port %d cannot accept connections (%s); new clients wait in the backlog, "
+                "retried every %g s at most",
+                self.port,
+                exc,
+                _ACCEPT_PAUSE_MAX_S,
+            )
+        self._accept_pause = min(max(self._accept_pause * 2, _ACCEPT_PAUSE_FIRST_S), _ACCEPT_PAUSE_MAX_S)
+        self._accept_at = time.monotonic() + self._accept_pause
+        self._sel.unregister(self._listener)
+
+    def _resume_accepting(self) -> None:
+        self._accept_at = None
+        self._sel.register(self._listener, _READ, _LISTENER)
+        self._accept()
+
     def _drop(self, conn: _Conn) -> None:
+        """Close ``conn`` and free its buffers and parked request at once. Idempotent."""
         if conn.closed:
             return
-        conn.closed = True
         self._conns.discard(conn)
         if conn.waiter is not None:
             self._unpark(conn.waiter)
@@ -275,6 +348,32 @@ class StoreServer:
         except (KeyError, ValueError, OSError):
             pass
         conn.sock.close()
+        conn.inbuf = bytearray()
+        conn.pos = 0
+        conn.out.clear()
+        conn.queued = 0
+        conn.closed = True  # last: another thread that sees it sees everything above done
+
+    def _drop_greedy(self, conn: _Conn, what: str) -> None:
+        """Drop a client that made the server hold more than ``max_queued_bytes`` for it."""
+        logger.warning(
+            "TCPStore server on port %d: dropped the client at %s: %s, more than the limit of %d bytes "
+            "(a TCPStore client sends one request at a time and reads its reply)",
+            self.port,
+            conn.peer,
+            what,
+            self._max_queued,
+        )
+        self._drop(conn)
+        self.dropped += 1
+
+    def connection_stats(self) -> list[tuple[str, int, int]]:
+        """Return (client address, bytes of unparsed input, bytes of queued replies) of each open connection.
+
+        The reply count includes a fixed cost per queued reply (see ``_REPLY_COST``).
+        Safe to call from any thread (a snapshot; the numbers may be a moment old).
+        """
+        return [(c.peer, len(c.inbuf) - c.pos, c.queued) for c in list(self._conns)]
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -288,6 +387,10 @@ class StoreServer:
             self._drop(conn)
             return
         conn.inbuf += chunk
+        del chunk
+        if conn.waiter is not None and len(conn.inbuf) - conn.pos > self._max_queued:
+            self._drop_greedy(conn, f"it sent {len(conn.inbuf) - conn.pos} bytes while a request of its was parked")
+            return
         self._process(conn)
 
     def _process(self, conn: _Conn) -> None:
@@ -322,8 +425,12 @@ class StoreServer:
             if code == Cmd.HELLO and fields == [wire.MAGIC]:
                 conn.hello = True
                 self._send(conn, Status.OK, [])
-            else:
-                self._drop(conn)
+                return
+            if code == Cmd.HELLO:  # a store client of another protocol version: tell it why
+                got = fields[0][:64] if len(fields) == 1 else fields
+                why = f"mpidist TCPStore server speaking {wire.MAGIC!r}, the client sent HELLO {got!r}"
+                self._send(conn, Status.ERROR, [f"TCPStore server: protocol mismatch: {why}".encode()])
+            self._drop(conn)
             return
         handler = self._handlers.get(code)
         if handler is None:
@@ -344,10 +451,16 @@ class StoreServer:
             self._send(conn, *reply)
 
     def _send(self, conn: _Conn, status: Status, fields: list[bytes]) -> None:
+        """Queue a reply and send what the socket takes; drop a client that lets replies pile up."""
         if conn.closed:
             return
-        conn.out.append(memoryview(wire.encode(status, fields)))
+        frame = wire.encode(status, fields)
+        conn.out.append(memoryview(frame))
+        conn.queued += len(frame) + _REPLY_COST
+        del frame
         self._flush(conn)
+        if not conn.closed and len(conn.out) > 1 and conn.queued > self._max_queued:
+            self._drop_greedy(conn, f"{len(conn.out)} replies it has not read hold {conn.queued} bytes")
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -356,8 +469,10 @@ class StoreServer:
                 n = conn.sock.send(head)
                 if n < len(head):
                     conn.out[0] = head[n:]
+                    conn.queued -= n
                     break
                 conn.out.popleft()
+                conn.queued -= n + _REPLY_COST
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
@@ -388,7 +503,17 @@ class StoreServer:
         self._parked.setdefault(key, []).append(waiter)
 
     def _unpark(self, waiter: _Waiter) -> None:
+        """Mark ``waiter`` done and forget it: it keeps no connection, keys or heap room alive."""
+        if waiter.done:
+            return
         waiter.done = True
+        waiter.conn = None
+        if waiter.deadline is not None:
+            self._done_in_heap += 1
+            if self._done_in_heap > 1024 and 2 * self._done_in_heap > len(self._deadlines):
+                self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+                heapq.heapify(self._deadlines)
+                self._done_in_heap = 0
         parked = self._parked.get(waiter.parked_on)
         if parked is not None:
             try:
@@ -397,6 +522,7 @@ class StoreServer:
                 pass
             if not parked:
                 del self._parked[waiter.parked_on]
+        waiter.keys = []
 
     def _answer(self, cmd: Cmd, keys: list[str]) -> list[bytes]:
         if cmd == Cmd.GET or cmd == Cmd.MULTI_GET:
@@ -404,8 +530,10 @@ class StoreServer:
         return []  # WAIT
 
     def _finish(self, waiter: _Waiter, status: Status, fields: list[bytes]) -> None:
-        self._unpark(waiter)
         conn = waiter.conn
+        self._unpark(waiter)
+        if conn is None:
+            return
         conn.waiter = None
         self._send(conn, status, fields)
         self._resume.append(conn)  # its next requests, read while it was parked
@@ -429,7 +557,9 @@ class StoreServer:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
             if waiter.done:
+                self._done_in_heap -= 1
                 continue
+            waiter.deadline = None  # out of the heap now
             missing = [k for k in waiter.keys if k not in self._data]
             if missing:
                 self._finish(waiter, Status.TIMEOUT, [wire.key_field(k) for k in missing])

@@ -50,11 +50,15 @@ class MissingKeysError(Exception):
     """Raised by a store's waiting primitive when keys are still missing at its deadline.
 
     Internal: the public methods of :class:`Store` turn it into ``DistStoreError``.
+    ``note``, when given, says what else the store knows about why the keys may
+    be missing (e.g. a FileStore whose file ends in a damaged record); it is
+    added to the message.
     """
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], note: str = "") -> None:
         super().__init__(list(keys))
         self.keys = list(keys)
+        self.note = note
 
 
 class NotACounterError(Exception):
@@ -155,6 +159,10 @@ def _describe(seconds: float | None) -> str:
     return "no timeout" if seconds is None else f"the timeout of {timedelta(seconds=seconds)}"
 
 
+def _noted(exc: MissingKeysError) -> str:
+    return f" ({exc.note})" if exc.note else ""
+
+
 class Store:
     """Base class of the key-value stores (``torch.distributed.Store``).
 
@@ -250,8 +258,8 @@ class Store:
         wait_s = self._wait_seconds(None, fn)
         try:
             return self._get(key, wait_s)
-        except MissingKeysError:
-            raise DistStoreError(f"{fn}: key {key!r} was not set within {_describe(wait_s)}") from None
+        except MissingKeysError as exc:
+            raise DistStoreError(f"{fn}: key {key!r} was not set within {_describe(wait_s)}{_noted(exc)}") from None
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (created at 0) and return the new value.
@@ -326,7 +334,9 @@ class Store:
         try:
             self._wait(keys, wait_s)
         except MissingKeysError as exc:
-            raise DistStoreError(f"{fn}: keys {exc.keys} were not set within {_describe(wait_s)}") from None
+            raise DistStoreError(
+                f"{fn}: keys {exc.keys} were not set within {_describe(wait_s)}{_noted(exc)}"
+            ) from None
 
     def check(self, keys: list[str]) -> bool:
         """Return whether every key of ``keys`` is set (without waiting).
@@ -398,7 +408,9 @@ class Store:
         try:
             return self._multi_get(keys, wait_s)
         except MissingKeysError as exc:
-            raise DistStoreError(f"{fn}: keys {exc.keys} were not set within {_describe(wait_s)}") from None
+            raise DistStoreError(
+                f"{fn}: keys {exc.keys} were not set within {_describe(wait_s)}{_noted(exc)}"
+            ) from None
 
     def multi_set(self, keys: list[str], values: list[Value]) -> None:
         """Set each key of ``keys`` to the value at the same position of ``values``.

@@ -1,15 +1,27 @@
 """``FileStore``: a key-value store that processes share through one file.
 
-The file is an append-only log. Every change is one record (a key and its new
-value, an appended piece, or a change of the user counters) written while an
-exclusive ``flock`` is held; every reader takes a shared ``flock`` and replays
-the records it has not seen yet into its own copy of the keys. ``get`` and
-``wait`` poll the file until the keys appear or the timeout passes.
+The file is an append-only log (its format is in ``_filelog.py``). Every change
+is one record (a key and its new value, an appended piece, or a change of the
+user counters) written while an exclusive ``flock`` is held; every reader
+takes a shared ``flock`` and replays the records it has not seen yet into its
+own copy of the keys. ``get`` and ``wait`` poll the file until the keys appear
+or the timeout passes.
+
+Records carry their length, their offset and a CRC-32, so damage is found, not
+misread. A damaged tail (a writer killed in the middle of a record, bytes
+appended by another program) is skipped by readers and cut off by the next
+writer. A write that fails (a full disk) is taken back by its writer and
+raised as :class:`~mpidist.errors.DistStoreError`. Damage that cannot be
+repaired (in the middle of the log, a file truncated below what a store has
+read, another format) raises DistStoreError naming the file and the byte.
 
 Each store registers as a user of the file when created and unregisters on
 ``close()`` (or when it is garbage collected, or at exit). With a fixed
 ``world_size``, the user that closes last, once ``world_size`` users have
-closed, removes the file, so a new store on the same path starts empty.
+closed, removes the file, so a new store on the same path starts empty. The
+file records the ``world_size`` it was made for and how many stores joined,
+so a store of another world (another size, or one more than a world that has
+started to leave) is refused.
 
 Example (``mpiexec -n 2``, every rank)::
 
@@ -22,40 +34,49 @@ Example (``mpiexec -n 2``, every rank)::
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
-import struct
 import threading
 import time
 import weakref
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import DistStoreError
+from . import _filelog as log
+from ._filelog import APPEND, META, SET
 from .base import MissingKeysError, Store, compare_set_value, parse_counter
 
 __all__ = ["FileStore"]
 
-#: the first bytes of every store file (format version 1)
-_MAGIC = b"mpidist-filestore-1\n"
-#: a record: kind, key length, value length; then the key (UTF-8) and the value
-_HEADER = struct.Struct("<BIQ")
-_SET, _APPEND, _META = 1, 2, 3
-_USERS, _CLOSED = "users", "closed"  # the counters kept in _META records
+logger = logging.getLogger("mpidist.store")
+
+_USERS, _CLOSED, _JOINED = "users", "closed", "joined"  # the counters kept in META records
 
 #: polling intervals of get/wait: start, cap (seconds)
 _POLL_FIRST_S, _POLL_MAX_S = 0.0005, 0.01
 
-
-def _record(kind: int, key: str, value: bytes) -> bytes:
-    k = key.encode("utf-8")
-    return _HEADER.pack(kind, len(k), len(value)) + k + value
+#: what to do about damage that cannot be repaired
+_ADVICE = "remove the file (or use another path) and restart the job"
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def _read(fd: int, start: int, end: int) -> bytes:
+    chunks = []
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, end - pos, pos)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        pos += len(chunk)
+    return b"".join(chunks)
 
 
 def _open_locked(path: str) -> int:
@@ -89,7 +110,8 @@ class _FileState:
     """What a FileStore holds: the descriptor, its replay of the log, a thread lock.
 
     Kept apart from the store so that the finalizer can release it without
-    keeping the store alive.
+    keeping the store alive. Every method but ``release`` runs with the thread
+    lock and a flock held.
     """
 
     def __init__(self, path: str, world_size: int) -> None:
@@ -97,63 +119,174 @@ class _FileState:
         self.world_size = world_size
         self.lock = threading.Lock()  # one thread at a time on the descriptor
         self.fd: int | None = None
-        self.offset = 0  # how far the log has been replayed
+        self.header = b""  # the magic and header record, as read when joining
+        self.info: dict[str, Any] = {}  # the header's fields
+        self.offset = 0  # how far the log has been replayed: the end of the last valid record
+        self.tail: int | None = None  # where a damaged tail starts (== offset), if the last replay found one
+        self.tail_why = ""
+        self.tail_seen: tuple[int, bytes] = (0, b"")  # (file size, first bytes of the tail) when it was found
         self.data: dict[str, bytes] = {}
         self.meta: dict[str, int] = {}
 
-    def refresh(self) -> None:
-        """Replay the records added since the last refresh (a flock is held)."""
+    # ------------------------------------------------------------------ reading
+
+    def join(self, fn: str) -> None:
+        """Read (or write, for a new file) the header and replay the log (an exclusive flock is held)."""
+        fd = self.fd
+        data = _read(fd, 0, os.fstat(fd).st_size)
+        try:
+            start, info = log.read_header(data) if data else (0, {})
+        except log.TornHeaderError:
+            logger.warning("FileStore: %r held only part of a header (its creator died); starting it afresh", self.path)
+            self.truncate(fn, 0)
+            data, start = b"", 0
+        except log.OtherFormatError as exc:
+            if exc.version is None:
+                raise DistStoreError(f"{fn}: {self.path!r} is not a FileStore file (it holds other data)") from None
+            raise DistStoreError(
+                f"{fn}: {self.path!r} is in FileStore format version {exc.version}, and this mpidist reads "
+                f"version {log.VERSION} only: it was made by another version of mpidist; {_ADVICE}"
+            ) from None
+        except log.LogError as exc:
+            raise DistStoreError(self._damaged(fn, exc)) from None
+        if not data:
+            data = log.new_file(self.world_size)
+            self.append_raw(fn, 0, data)
+            start, info = log.read_header(data)
+        self.header, self.info, self.offset = data[:start], info, start
+        self.absorb(fn, data[start:])
+
+    def refresh(self, fn: str) -> None:
+        """Replay the records added since the last refresh (a flock is held).
+
+        Raises:
+            DistStoreError: the file shrank below what was replayed, was replaced, or is damaged.
+        """
         fd = self.fd
         size = os.fstat(fd).st_size
-        if size <= self.offset:
+        if size < self.offset:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} was truncated to {size} bytes, below the {self.offset} bytes this store had "
+                f"read: another program truncated or rewrote the file, and the keys it held are lost; {_ADVICE}"
+            )
+        if os.pread(fd, len(self.header), 0) != self.header:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} was replaced: it no longer starts with the header this store read (the file "
+                f"{log.describe(self.info)}); another program rewrote it, and the keys it held are lost; {_ADVICE}"
+            )
+        if size == self.offset:
+            self.tail = None
             return
-        chunks = []
-        pos = self.offset
-        while pos < size:
-            chunk = os.pread(fd, size - pos, pos)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            pos += len(chunk)
-        buf = b"".join(chunks)
-        at = 0
-        if self.offset == 0:
-            if not buf.startswith(_MAGIC):
-                raise DistStoreError(f"FileStore: {self.path!r} is not a FileStore file (it holds other data)")
-            at = len(_MAGIC)
-        while at + _HEADER.size <= len(buf):
-            kind, klen, vlen = _HEADER.unpack_from(buf, at)
-            end = at + _HEADER.size + klen + vlen
-            if end > len(buf):
-                break
-            key = buf[at + _HEADER.size : at + _HEADER.size + klen].decode("utf-8")
-            value = buf[at + _HEADER.size + klen : end]
-            self.apply(kind, key, value)
-            at = end
-        self.offset += at
+        if self.tail is not None and (size, os.pread(fd, 64, self.offset)) == self.tail_seen:
+            return  # the same damaged tail as last time
+        self.absorb(fn, _read(fd, self.offset, size))
+
+    def absorb(self, fn: str, buf: bytes) -> None:
+        """Apply the valid records of ``buf`` (the file from ``offset`` on); note a damaged tail."""
+        try:
+            found = log.scan(buf, self.offset)
+        except log.LogError as exc:
+            raise DistStoreError(self._damaged(fn, exc)) from None
+        for record in found.records:
+            self.apply(*record)
+        size = self.offset + len(buf)
+        self.offset = found.end
+        self.tail, self.tail_why = found.tail, found.why
+        if found.tail is not None:
+            at = found.tail - (size - len(buf))
+            self.tail_seen = (size, buf[at : at + 64])
 
     def apply(self, kind: int, key: str, value: bytes) -> None:
-        if kind == _SET:
+        if kind == SET:
             self.data[key] = value
-        elif kind == _APPEND:
+        elif kind == APPEND:
             self.data[key] = self.data.get(key, b"") + value
-        elif kind == _META:
-            self.meta[key] = int(value)
-        else:
-            raise DistStoreError(f"FileStore: {self.path!r} is corrupt (record kind {kind} at byte {self.offset})")
+        elif kind == META:
+            self.meta[key] = int(value)  # checked by log.scan, or made by bump
 
-    def write(self, records: list[tuple[int, str, bytes]]) -> None:
-        """Append ``records`` (an exclusive flock is held and the log is replayed to its end)."""
-        blob = b"".join(_record(*r) for r in records)
-        _write_all(self.fd, blob)
+    def _damaged(self, fn: str, exc: log.LogError) -> str:
+        return f"{fn}: {self.path!r} is damaged at byte {exc.offset}: {exc.why}; records may be lost, {_ADVICE}"
+
+    def tail_note(self) -> str:
+        """Say, for a timeout, that the log ends in a damaged record (empty if it does not)."""
+        if self.tail is None:
+            return ""
+        return (
+            f"{self.path!r} ends in a damaged record at byte {self.tail} ({self.tail_why}): a writer may have "
+            "crashed or failed in the middle of a write; the next write cuts it off"
+        )
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, fn: str, records: list[tuple[int, str, bytes]]) -> None:
+        """Append ``records`` (an exclusive flock is held and the log is replayed to its end).
+
+        A damaged tail is cut off first. A write that fails is taken back.
+
+        Raises:
+            DistStoreError: the write failed (the file is left as it was).
+        """
+        if self.tail is not None:
+            logger.warning(
+                "FileStore: cutting off a damaged tail of %r at byte %d (%s)", self.path, self.tail, self.tail_why
+            )
+            self.truncate(fn, self.offset)
+            self.tail = None
+        blob = log.encode(self.offset, records)
+        self.append_raw(fn, self.offset, blob)
         self.offset += len(blob)
-        for r in records:
-            self.apply(*r)
+        for kind, key, value in records:
+            self.apply(kind, key, value)
 
-    def bump(self, name: str, by: int) -> int:
-        value = self.meta.get(name, 0) + by
-        self.write([(_META, name, str(value).encode("ascii"))])
-        return value
+    def append_raw(self, fn: str, start: int, blob: bytes) -> None:
+        """Write ``blob`` at the end of the file (byte ``start``); on failure cut the file back to ``start``."""
+        try:
+            _write_all(self.fd, blob)
+        except BaseException as exc:
+            try:
+                os.ftruncate(self.fd, start)
+            except OSError:  # the next writer finds the partial record as a damaged tail and cuts it off
+                logger.warning("FileStore: could not take back a failed write to %r at byte %d", self.path, start)
+            if isinstance(exc, OSError):
+                raise DistStoreError(
+                    f"{fn}: could not write to {self.path!r} ({exc}); nothing was changed (the partial write "
+                    "was taken back)"
+                ) from exc
+            raise
+
+    def truncate(self, fn: str, at: int) -> None:
+        try:
+            os.ftruncate(self.fd, at)
+        except OSError as exc:
+            raise DistStoreError(f"{fn}: cannot cut {self.path!r} back to byte {at} to repair it: {exc}") from exc
+
+    def bump(self, fn: str, changes: dict[str, int]) -> dict[str, int]:
+        """Add to user counters in one record each, written together; return their new values."""
+        values = {name: self.meta.get(name, 0) + by for name, by in changes.items()}
+        self.write(fn, [(META, name, str(value).encode("ascii")) for name, value in values.items()])
+        return values
+
+    # ------------------------------------------------------------------ users
+
+    def register(self, fn: str) -> None:
+        """Refuse a file of another world, then join as one more user (an exclusive flock is held)."""
+        made_for = self.info.get("world_size", -1)
+        made = log.describe(self.info)
+        if made_for > 0 and self.world_size > 0 and made_for != self.world_size:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} was made for world_size={made_for} ({made}), but this store has "
+                f"world_size={self.world_size}: another job uses the file, or left it behind; use another path, "
+                "or remove the file"
+            )
+        joined, closed = self.meta.get(_JOINED, 0), self.meta.get(_CLOSED, 0)
+        if made_for > 0 and joined >= made_for and closed > 0:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} was made for world_size={made_for} and {joined} stores joined it ({made}); "
+                f"{closed} of them closed and {self.meta.get(_USERS, 0)} have not, so this store cannot be part of "
+                f"that world: the file was left behind by a job whose stores did not all close (a crash), another "
+                f"job uses it, or the stores of its previous use are still closing (then wait for them); {_ADVICE}"
+            )
+        self.bump(fn, {_JOINED: 1, _USERS: 1})
 
     def release(self) -> None:
         """Unregister this user; the last one (see FileStore) removes the file. Idempotent."""
@@ -165,10 +298,9 @@ class _FileState:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not _is_at_path(fd, self.path):
                     return
-                self.refresh()
-                closed = self.bump(_CLOSED, 1)
-                users = self.bump(_USERS, -1)
-                if users <= 0 and 0 < self.world_size <= closed:
+                self.refresh("FileStore.close")
+                counts = self.bump("FileStore.close", {_CLOSED: 1, _USERS: -1})
+                if counts[_USERS] <= 0 and 0 < self.world_size <= counts[_CLOSED]:
                     os.unlink(self.path)
             except (OSError, DistStoreError):
                 pass  # best effort: the file was removed or damaged by someone else
@@ -185,6 +317,11 @@ class FileStore(Store):
     ``delete_key`` is not supported, as in torch. ``num_keys`` counts one key more
     than were set: the user counter, as torch's FileStore does.
 
+    The file survives damage where it can (see docs/stores-robustness.md): a
+    record cut short by a crash, or bytes another program appended, are skipped
+    and then cut off; a write that fails is taken back. Damage that cannot be
+    repaired raises DistStoreError naming the file and the byte offset.
+
     Args:
         file_name: path of the file (created if missing; its directory must exist).
         world_size: how many stores will use the file, in all processes; the
@@ -193,7 +330,10 @@ class FileStore(Store):
         timeout: the store's timeout (timedelta or seconds; default 300 s).
 
     Raises:
-        DistStoreError: the file cannot be opened, or holds something else.
+        DistStoreError: the file cannot be opened or written; it holds something
+            else, another format version, or damage; it was made for another
+            ``world_size``; or its world is complete and some of its stores
+            have left (a file left behind by a crashed job).
 
     Example (``mpiexec -n 2``, every rank)::
 
@@ -228,10 +368,8 @@ class FileStore(Store):
         state = self._state
         state.fd = fd
         try:
-            if os.fstat(fd).st_size == 0:
-                _write_all(fd, _MAGIC)
-            state.refresh()
-            state.bump(_USERS, 1)
+            state.join("FileStore")
+            state.register("FileStore")
         except BaseException:
             state.fd = None
             os.close(fd)
@@ -265,7 +403,7 @@ class FileStore(Store):
                 raise DistStoreError(f"FileStore.{op}: the store is closed")
             fcntl.flock(state.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
-                state.refresh()
+                state.refresh(f"FileStore.{op}")
                 yield state
             finally:
                 fcntl.flock(state.fd, fcntl.LOCK_UN)
@@ -279,17 +417,18 @@ class FileStore(Store):
                 missing = [k for k in keys if k not in state.data]
                 if not missing:
                     return [state.data[k] for k in keys]
+                note = state.tail_note()
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise MissingKeysError(missing)
+                    raise MissingKeysError(missing, note)
                 pause = min(pause, left)
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
     def _set(self, key: str, value: bytes) -> None:
         with self._locked("set", exclusive=True) as state:
-            state.write([(_SET, key, value)])
+            state.write("FileStore.set", [(SET, key, value)])
 
     def _get(self, key: str, timeout: float | None) -> bytes:
         return self._poll("get", [key], timeout)[0]
@@ -298,14 +437,14 @@ class FileStore(Store):
         with self._locked("add", exclusive=True) as state:
             current = state.data.get(key)
             total = amount + (0 if current is None else parse_counter(current))
-            state.write([(_SET, key, str(total).encode("ascii"))])
+            state.write("FileStore.add", [(SET, key, str(total).encode("ascii"))])
             return total
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         with self._locked("compare_set", exclusive=True) as state:
             result, store_it = compare_set_value(state.data.get(key), expected, desired)
             if store_it:
-                state.write([(_SET, key, desired)])
+                state.write("FileStore.compare_set", [(SET, key, desired)])
             return result
 
     def _wait(self, keys: list[str], timeout: float | None) -> None:
@@ -327,11 +466,11 @@ class FileStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         with self._locked("append", exclusive=True) as state:
-            state.write([(_APPEND, key, value)])
+            state.write("FileStore.append", [(APPEND, key, value)])
 
     def _multi_get(self, keys: list[str], timeout: float | None) -> list[bytes]:
         return self._poll("multi_get", keys, timeout)
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
         with self._locked("multi_set", exclusive=True) as state:
-            state.write([(_SET, k, v) for k, v in zip(keys, values)])
+            state.write("FileStore.multi_set", [(SET, k, v) for k, v in zip(keys, values)])

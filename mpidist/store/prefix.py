@@ -76,7 +76,7 @@ class PrefixStore(Store):
 
     def _unprefixed(self, missing: MissingKeysError) -> MissingKeysError:
         head = f"{self._prefix}/"
-        return MissingKeysError([k[len(head) :] if k.startswith(head) else k for k in missing.keys])
+        return MissingKeysError([k[len(head) :] if k.startswith(head) else k for k in missing.keys], missing.note)
 
     def _set(self, key: str, value: bytes) -> None:
         self._store._set(self._key(key), value)

@@ -36,8 +36,24 @@ __all__ = ["TCPStore"]
 _INIT_KEY = "init/"
 #: retry pauses while connecting or waiting for workers: first, cap (seconds)
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 0.25
-#: the least time a reply may take before a connection counts as dead (seconds)
-_IO_SLACK_S = 30.0
+#: the least time a reply may take before the server counts as not answering (seconds): a store
+#: whose timeout is meant for short waits must not give up on a server that is merely busy
+_REPLY_FLOOR_S = 1.0
+#: how many bytes of a foreign peer's answer an error message shows
+_SHOWN_BYTES = 64
+
+
+class _NotAStoreError(Exception):
+    """The peer answered the handshake as no mpidist TCPStore server does.
+
+    ``answer`` is the start of what it sent; ``refusal`` the message of a
+    TCPStore server that refused the handshake (another protocol version).
+    """
+
+    def __init__(self, answer: bytes, refusal: str = "") -> None:
+        super().__init__(answer)
+        self.answer = answer
+        self.refusal = refusal
 
 
 class _Client:
@@ -102,6 +118,19 @@ class _Client:
             self._give_back(sock, ok=False)
             if self._closed:
                 raise DistStoreError(f"{fn}: the store was closed during the request") from None
+            if isinstance(exc, socket.timeout):
+                self._lost = f"no reply within {timedelta(seconds=io_timeout or 0)}"
+                raise DistNetworkError(
+                    f"{fn}: the TCPStore server at {self._where} did not reply within "
+                    f"{timedelta(seconds=io_timeout or 0)} (the store's timeout, plus the wait the request asked "
+                    "for); the server is frozen, overloaded or unreachable, and this store can no longer be used"
+                ) from None
+            if isinstance(exc, ValueError):
+                self._lost = f"a malformed reply: {exc}"
+                raise DistNetworkError(
+                    f"{fn}: the TCPStore server at {self._where} sent a malformed reply ({exc}); is the peer a "
+                    "mpidist store of the same version?"
+                ) from None
             self._lost = f"{type(exc).__name__}: {exc}"
             raise DistNetworkError(
                 f"{fn}: lost the connection to the TCPStore server at {self._where} ({self._lost}); "
@@ -141,10 +170,12 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
     """Connect to a TCPStore server, retrying until ``timeout`` (None: forever) passes.
 
     Every address ``host`` resolves to is tried on each round; the server may
-    start after the client.
+    start after the client. A peer that answers the handshake as no mpidist
+    server does (an HTTP or SSH server, say) fails the call at once.
 
     Raises:
-        DistNetworkError: no connection within the timeout (the last error is named).
+        DistNetworkError: no connection within the timeout (the last error is
+            named), or the peer is not a mpidist store.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = _RETRY_FIRST_S
@@ -161,12 +192,20 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
                 sock.settimeout(None if left is None else min(left, 10.0))
                 sock.connect(addr)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(wire.encode(Cmd.HELLO, [wire.MAGIC]))
-                status, _ = wire.recv_frame(sock)
-                if status != Status.OK:
-                    raise ConnectionError(f"the server at {host}:{port} refused the handshake")
+                _handshake(sock)
                 return sock
-            except (OSError, ValueError) as exc:
+            except _NotAStoreError as exc:
+                sock.close()
+                if exc.refusal:
+                    raise DistNetworkError(
+                        f"{fn}: the TCPStore server at {host}:{port} refused the handshake ({exc.refusal}); "
+                        "run the same mpidist version in every process"
+                    ) from None
+                raise DistNetworkError(
+                    f"{fn}: the peer at {host}:{port} is not a mpidist store: it answered the handshake with "
+                    f"{exc.answer!r}; check host_name and port (another service listens there)"
+                ) from None
+            except OSError as exc:
                 sock.close()
                 last = exc
         left = None if deadline is None else deadline - time.monotonic()
@@ -177,6 +216,46 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
             )
         time.sleep(pause if left is None else min(pause, left))
         pause = min(pause * 2, _RETRY_MAX_S)
+
+
+def _handshake(sock: socket.socket) -> None:
+    """Send HELLO on a connected socket and check the reply.
+
+    Raises:
+        _NotAStoreError: the peer answered with something else than a TCPStore server's reply.
+        OSError: the connection failed, timed out, or was closed before any answer.
+    """
+    sock.sendall(wire.encode(Cmd.HELLO, [wire.MAGIC]))
+    head = b""
+    while len(head) < wire.LENGTH.size:
+        chunk = sock.recv(wire.LENGTH.size - len(head))
+        if not chunk:
+            if head:
+                raise _NotAStoreError(head)
+            raise ConnectionError("the peer closed the connection during the handshake")
+        head += chunk
+    try:
+        n = wire.frame_length(head, wire.MAX_HELLO_BYTES)
+    except ValueError:
+        raise _NotAStoreError(head + _more(sock)) from None
+    try:
+        status, fields = wire.decode(wire.recv_exact(sock, n))
+    except ValueError:
+        raise _NotAStoreError(head) from None
+    if status == Status.OK and not fields:
+        return
+    if status == Status.ERROR and len(fields) == 1:
+        raise _NotAStoreError(head, fields[0].decode("utf-8", "replace"))
+    raise _NotAStoreError(head)
+
+
+def _more(sock: socket.socket) -> bytes:
+    """Return what the peer sent next, if it comes at once (for an error message)."""
+    try:
+        sock.settimeout(0.05)
+        return sock.recv(_SHOWN_BYTES)
+    except OSError:
+        return b""
 
 
 def _shutdown(client: _Client | None, server: StoreServer | None, shared: bool) -> None:
@@ -219,7 +298,10 @@ class TCPStore(Store):
         world_size: the number of stores (clients + the master); None: not fixed.
         is_master: start the server in this process.
         timeout: bounds connecting, waiting for workers, ``get`` and ``wait``
-            (timedelta or seconds; zero: no bound). Default 300 s.
+            (timedelta or seconds; zero: no bound), and how long a reply of
+            the server may take: ``set``/``add``/... on a server that does not
+            answer fail after it (at least 1 s), ``get``/``wait`` after their
+            wait plus it. Default 300 s.
         wait_for_workers: on the master with a fixed ``world_size``, wait for
             every store to join.
         multi_tenant: master stores of this process with the same host_name and
@@ -230,7 +312,9 @@ class TCPStore(Store):
         use_libuv: accepted for compatibility with torch, and ignored.
 
     Raises:
-        DistNetworkError: the server cannot listen, or no server answered within the timeout.
+        DistNetworkError: the server cannot listen; no server answered within
+            the timeout; or the peer at host_name:port is not a mpidist store
+            (raised at once).
         DistStoreError: the master's ``world_size`` stores did not join within the timeout.
 
     Example::
@@ -357,13 +441,11 @@ class TCPStore(Store):
             joined = int(self._request(fn, Cmd.ADD, [wire.key_field(_INIT_KEY), b"0"])[0])
 
     def _request(self, fn: str, cmd: Cmd, fields: list[bytes], wait_s: float | None = 0.0) -> list[bytes]:
-        """Send one request; the reply must come within ``wait_s`` (None: no bound) plus a margin."""
-        io = self._wait_seconds(None, fn)
-        if io is not None and wait_s is not None:
-            io = wait_s + max(io, _IO_SLACK_S)
-        else:
-            io = None
-        return self._client.request(fn, cmd, fields, io, self._wait_seconds(None, fn))
+        """Send one request; the reply must come within ``wait_s`` (what the server may wait for keys;
+        None: no bound) plus the store's timeout (None: no bound; at least _REPLY_FLOOR_S)."""
+        store_s = self._wait_seconds(None, fn)
+        io = None if store_s is None or wait_s is None else wait_s + max(store_s, _REPLY_FLOOR_S)
+        return self._client.request(fn, cmd, fields, io, store_s)
 
     def _set(self, key: str, value: bytes) -> None:
         self._request("TCPStore.set", Cmd.SET, [wire.key_field(key), value])
