@@ -4,8 +4,11 @@ and the array kinds (numpy arrays, torch CPU tensors) the same tests run on."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
+import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from functools import reduce as _fold
@@ -351,3 +354,56 @@ class Maker:
         base[..., ::2] = a
         kbase = self(base)
         return kbase[..., ::2], kbase
+
+
+# -- worlds of plain processes (no MPI launcher) ----------------------------------------------
+
+#: prefixes of the variables MPI launchers set (removed for processes that must not look launched)
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_")
+#: torchrun's variables (removed too: each test sets the ones it means)
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or torchrun's variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in TORCHRUN_VARIABLES}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_plain_world(script: str, envs: list[dict[str, str]], args: list[list[str]], tmp_path: Any,
+                    timeout: float = 120) -> list[dict]:  # fmt: skip
+    """Start ``len(envs)`` plain ``python`` processes running ``script``; return each one's ``RESULT {json}`` line.
+
+    Fails the test (killing every process) if one does not finish within ``timeout``,
+    exits non-zero, or prints no result.
+    """
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), *a], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for e, a in zip(envs, args)
+    ]
+    results = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"process {r} did not finish within {timeout} s")
+        assert p.returncode == 0, f"process {r} exited with {p.returncode}:\n{err[-3000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
+        results.append(json.loads(lines[0][len("RESULT ") :]))
+    return results

@@ -6,9 +6,6 @@ from their environment), so they run once, from a world of one rank.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +15,8 @@ from mpi4py import MPI
 
 from mpidist import pmi, rendezvous
 from mpidist.init import _claims
+
+from helpers import clean_env, free_port, run_plain_world
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,49 +55,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_"))
-        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-    }
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_world(n: int, env_for, args_for, tmp_path) -> list[dict]:
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args_for(r)],
-            env=env_for(r),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(n)
-    ]
-    results = []
-    for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"process {r} did not finish within 120 s")
-        assert p.returncode == 0, f"process {r} exited with {p.returncode}:\n{err[-3000:]}"
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
-        results.append(json.loads(lines[0][len("RESULT ") :]))
-    return results
+    return run_plain_world(CHILD, [env_for(r) for r in range(n)], [args_for(r) for r in range(n)], tmp_path)
 
 
 def _check(results: list[dict], n: int) -> None:
@@ -113,10 +71,10 @@ def _check(results: list[dict], n: int) -> None:
 
 @only_once
 def test_env_init_forms_a_world_without_mpiexec(tmp_path):
-    n, port = 3, _free_port()
+    n, port = 3, free_port()
 
     def env_for(r: int) -> dict[str, str]:
-        return _clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
     _check(_run_world(n, env_for, lambda r: [""], tmp_path), n)
 
@@ -127,13 +85,13 @@ def test_file_init_forms_a_world_without_mpiexec(tmp_path):
     url = f"file://{tmp_path}/rendezvous?world_size={n}"
 
     # each process names its rank in the URL
-    _check(_run_world(n, lambda r: _clean_env(), lambda r: [f"{url}&rank={r}"], tmp_path), n)
+    _check(_run_world(n, lambda r: clean_env(), lambda r: [f"{url}&rank={r}"], tmp_path), n)
 
 
 @only_once
 def test_missing_rank_without_a_launcher_is_a_clear_error(tmp_path):
     code = "import mpidist as dist\ndist.init_process_group()\n"
-    env = _clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert "ValueError: init_process_group: this process was not started by an MPI launcher" in p.stderr
@@ -143,7 +101,7 @@ def test_missing_rank_without_a_launcher_is_a_clear_error(tmp_path):
 @only_once
 def test_mpi_initialized_too_early_is_a_clear_error(tmp_path):
     code = "from mpi4py import MPI\nimport mpidist as dist\ndist.init_process_group(rank=0, world_size=2)\n"
-    p = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert "import mpidist before mpi4py.MPI" in p.stderr
 

@@ -662,12 +662,17 @@ def test_bf16_hooks_are_refused_by_torch_on_cpu_on_every_backend(pgs):
     """torch checks for CUDA/NCCL in bf16_compress_hook/_wrapper itself: documented, the same as on gloo."""
     outcomes = []
     for group in pgs:
-        for hook in (default_hooks.bf16_compress_hook, default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)):
+        for hook in (
+            default_hooks.bf16_compress_hook,
+            default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook),
+        ):
             model = DDP(Net(), process_group=group)
             outcomes.append(outcome(model.register_comm_hook, group, hook))
     half = len(outcomes) // 2
     problems = [] if outcomes[:half] == outcomes[half:] else [f"mpidist {outcomes[:half]} vs gloo {outcomes[half:]}"]
-    if torch.cuda.is_available() is False and not all(isinstance(o, str) and o.startswith("TypeError") for o in outcomes):
+    if torch.cuda.is_available() is False and not all(
+        isinstance(o, str) and o.startswith("TypeError") for o in outcomes
+    ):
         problems.append(f"torch accepted a bf16 hook on CPU: {outcomes}")
     fail_together(problems)
 

@@ -9,11 +9,7 @@ env:// variables, where ``init_process_group("mpidist")`` starts mpidist itself.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 from datetime import timedelta
 
@@ -22,7 +18,7 @@ from mpi4py import MPI
 
 from mpidist._boot import launched_by_mpi
 
-from helpers import fail_together
+from helpers import clean_env, fail_together, free_port, run_plain_world
 
 torch = pytest.importorskip("torch")
 tdist = pytest.importorskip("torch.distributed")
@@ -79,7 +75,7 @@ def test_nothing_set_under_mpiexec(fresh):
 
 @under_launcher
 def test_the_variables_the_user_set_are_kept(fresh, monkeypatch):
-    port = MPI.COMM_WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
+    port = MPI.COMM_WORLD.bcast(free_port() if RANK == 0 else None, root=0)
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("LOCAL_RANK", "7")
     tdist.init_process_group("mpidist")
@@ -89,15 +85,9 @@ def test_the_variables_the_user_set_are_kept(fresh, monkeypatch):
     fail_together(problems)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tcp_file_and_store_init_then_init_again(fresh, tmp_path):
     tmpdir = MPI.COMM_WORLD.bcast(str(tmp_path) if RANK == 0 else None, root=0)
-    port = MPI.COMM_WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
+    port = MPI.COMM_WORLD.bcast(free_port() if RANK == 0 else None, root=0)
     problems = []
     forms = {
         "tcp://": {"init_method": f"tcp://127.0.0.1:{port}"},
@@ -154,33 +144,9 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
 def test_plain_processes_form_a_world_through_env(tmp_path):
-    n, port = 2, _free_port()
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    launcher = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(launcher) and k not in TORCHRUN_VARS}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=dict(base, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(n)
-    ]
-    results = []
-    for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=100)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"process {r} did not finish within 100 s")
-        assert p.returncode == 0, f"process {r} exited with {p.returncode}:\n{err[-3000:]}"
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
-        results.append(json.loads(lines[0][len("RESULT ") :]))
+    n, port = 2, free_port()
+    envs = [clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(n)]
+    results = run_plain_world(CHILD, envs, [[]] * n, tmp_path, timeout=100)
     for r, got in enumerate(results):
         assert (got["rank"], got["size"], got["sum"]) == (r, n, 3.0)
         assert got["odd"] == [1.0, 1.0]  # rank 1 alone in the odd group
