@@ -16,7 +16,14 @@ from typing import Any, Sequence
 
 from . import debug
 from ._world import world
-from .backends.registry import Backend, BackendOptions, create_backend, nccl_available, parse_backend
+from .backends.registry import (
+    Backend,
+    BackendOptions,
+    create_backend,
+    nccl_available,
+    parse_backend,
+    requested_name,
+)
 from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
 from .work import timeout_seconds
 
@@ -46,8 +53,13 @@ def make_group(
     pg_options: Any,
     name: str,
     group_desc: str | None = None,
+    requested: str | None = None,
 ) -> ProcessGroup:
     """Build and register the ProcessGroup of ``comm`` (this rank is a member).
+
+    ``devices`` maps device types to the backends that serve them; ``requested``
+    is the backend name the program asked for (what ``get_backend`` reports,
+    e.g. "gloo" served by MPI; default: the serving backend's name).
 
     The group owns ``comm`` and a private duplicate of it for library traffic
     (object collectives, subgroup creation), driven by its own MPI backend. Its
@@ -82,7 +94,9 @@ def make_group(
         control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks)
     )
     factory = _DeviceFactory(options, pg_options)
-    pg = ProcessGroup(impl, control, list(ranks), name, timeout, backend_name, devices, comm, group_desc or "", factory)
+    pg = ProcessGroup(
+        impl, control, list(ranks), name, timeout, requested or backend_name, devices, comm, group_desc or "", factory
+    )
     if device_impl is not None:
         pg.device_impl = device_impl
     elif "cuda" in devices and "cpu" not in devices:  # a device-only group: no host fast lane either
@@ -144,12 +158,14 @@ def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:
     return sorted(out)
 
 
-def _group_settings(fn: str, timeout: Any, backend: Any) -> tuple[ProcessGroup, timedelta, dict[str, str]]:
+def _group_settings(fn: str, timeout: Any, backend: Any) -> tuple[ProcessGroup, timedelta, dict[str, str], str]:
+    """(default group, timeout, device -> serving backend, the backend name asked for) of a new group."""
     default = resolve_group(None, fn)
     assert default is not None
     td = default.timeout if timeout is None else timeout_arg(timeout, fn, default.timeout)
-    devices = default.devices if backend is None else parse_backend(backend, fn)
-    return default, td, devices
+    if backend is None:  # the default group's backend, under the name it was asked by
+        return default, td, default.devices, default.backend_name
+    return default, td, parse_backend(backend, fn), requested_name(backend)
 
 
 def new_group(
@@ -176,7 +192,7 @@ def new_group(
         >>> dist.get_rank(odd)      # 0 on rank 1, 1 on rank 3, -1 on ranks 0 and 2
     """
     fn = "new_group"
-    default, td, devices = _group_settings(fn, timeout, backend)
+    default, td, devices, requested = _group_settings(fn, timeout, backend)
     size = default.size()
     members = list(range(size)) if ranks is None else _rank_list(ranks, size, fn)
     me = world.default_pg.rank() if world.default_pg is not None else -1
@@ -201,7 +217,7 @@ def new_group(
             mpi_group.Free()
         if me not in members:
             return NON_GROUP_MEMBER
-        return make_group(comm, members, devices, td, pg_options, name, group_desc)
+        return make_group(comm, members, devices, td, pg_options, name, group_desc, requested)
 
 
 def _split(
@@ -212,6 +228,7 @@ def _split(
     devices: dict[str, str],
     pg_options: Any,
     group_desc: str | None,
+    requested: str,
 ) -> tuple[ProcessGroup | None, list[Any]]:
     """Create one group per list with one MPI_Comm_split of ``parent`` (an MPIBackend); return (mine, all)."""
     from mpi4py import MPI
@@ -225,7 +242,7 @@ def _split(
         names = [world.next_group_name() for _ in rank_lists]
         mine = None
         if color != MPI.UNDEFINED:
-            mine = make_group(comm, rank_lists[color], devices, td, pg_options, names[color], group_desc)
+            mine = make_group(comm, rank_lists[color], devices, td, pg_options, names[color], group_desc, requested)
     return mine, [mine if i == color else NON_GROUP_MEMBER for i in range(len(rank_lists))]
 
 
@@ -250,7 +267,7 @@ def new_subgroups(
         >>> mine, all_groups = dist.new_subgroups(2)   # {0, 1} and {2, 3}
     """
     fn = "new_subgroups"
-    _, td, devices = _group_settings(fn, timeout, backend)
+    _, td, devices, requested = _group_settings(fn, timeout, backend)
     parent = resolve_group(group, fn)
     if parent is None:
         raise ValueError(f"{fn}: this rank is not a member of the group to split")
@@ -265,7 +282,14 @@ def new_subgroups(
         raise ValueError(f"{fn}: the group size {n} must be divisible by group_size={group_size}")
     lists = [parent.ranks[i : i + group_size] for i in range(0, n, group_size)]
     return _split(
-        fn, parent.control if group is not None else world.control, lists, td, devices, pg_options, group_desc
+        fn,
+        parent.control if group is not None else world.control,
+        lists,
+        td,
+        devices,
+        pg_options,
+        group_desc,
+        requested,
     )
 
 
@@ -286,7 +310,7 @@ def new_subgroups_by_enumeration(
         >>> mine, groups = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
     """
     fn = "new_subgroups_by_enumeration"
-    default, td, devices = _group_settings(fn, timeout, backend)
+    default, td, devices, requested = _group_settings(fn, timeout, backend)
     if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
         raise ValueError(f"{fn}: ranks_per_subgroup_list must be a non-empty list of lists of ranks")
     lists = [
@@ -299,7 +323,7 @@ def new_subgroups_by_enumeration(
             if r in seen:
                 raise ValueError(f"{fn}: rank {r} appears in subgroups {seen[r]} and {i}; subgroups must not overlap")
             seen[r] = i
-    return _split(fn, world.control, lists, td, devices, pg_options, group_desc)
+    return _split(fn, world.control, lists, td, devices, pg_options, group_desc, requested)
 
 
 def _member_group(group: Any, fn: str) -> ProcessGroup:

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._boot import launched_by_mpi, mpi_initialized, start_mpi
 from ._world import world
-from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend
+from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
 from .debug import set_debug_level_from_env
 from .errors import DistBackendError
 from .groups import make_group, timeout_arg
@@ -217,7 +217,10 @@ def init_process_group(
         try:
             world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
             world.init_info["own_store"] = store is None
-            pg = make_group(data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg")
+            pg = make_group(
+                data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg",
+                requested_name(backend),
+            )  # fmt: skip
         except BaseException:
             _close_store()
             _free_world_comms()
@@ -356,8 +359,8 @@ def is_nccl_available() -> bool:
 
 
 def is_gloo_available() -> bool:
-    """Return False: mpidist has no gloo backend (MPI runs CPU collectives)."""
-    return False
+    """Return True: the name "gloo" is served (by MPI), so programs that check it take the gloo branch."""
+    return is_mpi_available()
 
 
 def is_ucc_available() -> bool:
@@ -368,7 +371,7 @@ def is_ucc_available() -> bool:
 def is_backend_available(backend: str) -> bool:
     """Return True if ``backend`` names a backend mpidist can create."""
     name = Backend(backend)
-    if name == Backend.MPI:
+    if name in (Backend.MPI, Backend.GLOO):  # "gloo" is served by MPI
         return is_mpi_available()
     if name == Backend.NCCL:
         return nccl_available()  # cupy's NCCL bindings and a GPU
@@ -382,7 +385,8 @@ def is_torchelastic_launched() -> bool:
 
 
 def get_backend(group: ProcessGroup | None = None) -> Backend:
-    """Return the backend name of ``group`` (default: the world), e.g. ``"mpi"``."""
+    """Return the backend name of ``group`` (default: the world) as the program asked for it: ``"mpi"``,
+    ``"gloo"`` (served by MPI), ``"cpu:gloo,cuda:nccl"``, ..."""
     pg = resolve_group(group, "get_backend")
     if pg is None:
         raise ValueError("get_backend: this rank is not a member of the group")

@@ -389,7 +389,7 @@ def test_cuda_only_mpi_group_rejects_host_arrays(monkeypatch):
     problems: list[str] = []
     g = dist.new_group(backend="cuda:mpi")
     problems += check_raises(
-        TypeError, r"^all_reduce: process group \S+ has backend mpi, which takes CUDA arrays only; got a host array",
+        TypeError, r"^all_reduce: process group \S+ has backend cuda:mpi, which takes CUDA arrays only; got a host array",
         dist.all_reduce, np.ones(2), group=g,
     )  # fmt: skip
     x = dev(np.ones(2))

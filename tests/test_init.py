@@ -227,7 +227,7 @@ def test_public_function_before_init_raises(no_group, name):
 def test_queries_that_need_no_group_work_before_init(no_group):
     assert dist.is_available() is True
     assert dist.is_mpi_available() is True
-    assert dist.is_gloo_available() is False
+    assert dist.is_gloo_available() is True  # the name is served by MPI
     assert dist.get_pg_count() == 0
     assert dist.is_backend_available("mpi") is True
 
@@ -489,9 +489,11 @@ def test_new_group_and_subgroups_inherit_the_timeout(no_group):
 )
 def test_backend_names_accepted(no_group, backend):
     init(backend=backend)
-    assert dist.get_backend() == "mpi"
-    assert dist.get_backend() == Backend.MPI
-    assert dist.group.WORLD.name() == "mpi"
+    # get_backend() answers the name as asked (lowercase, as torch's Backend() spells it)
+    asked = "mpi" if backend is None else str(backend).lower().replace(" ", "")
+    assert dist.get_backend() == asked
+    assert dist.group.WORLD.name() == asked
+    assert dist.group.WORLD.devices["cpu"] == "mpi"
     check_world_works()
 
 
@@ -500,13 +502,51 @@ def test_per_device_backend_string_keeps_the_mapping(no_group):
     assert dist.group.WORLD.devices == {"cpu": "mpi", "cuda": "nccl"}
     sub = dist.new_group()  # inherits the mapping
     assert sub.devices == {"cpu": "mpi", "cuda": "nccl"}
-    assert dist.get_backend(sub) == "mpi"
+    assert dist.get_backend(sub) == "cpu:mpi,cuda:nccl"  # the name as asked, as torch answers
     check_world_works(sub)
 
 
-@pytest.mark.parametrize("name", ["gloo", "GLOO", "ucc", "cpu:gloo", "cpu:gloo,cuda:nccl", Backend.GLOO])
-def test_gloo_and_ucc_rejected_with_the_fix(no_group, name):
-    expect_init_value_error(r"^init_process_group: mpidist has no (gloo|ucc) backend: use backend='mpi'", backend=name)
+@pytest.mark.parametrize(
+    "name,served",
+    [
+        ("gloo", {"cpu": "mpi", "cuda": "mpi"}),
+        ("GLOO", {"cpu": "mpi", "cuda": "mpi"}),
+        (Backend.GLOO, {"cpu": "mpi", "cuda": "mpi"}),
+        ("cpu:gloo", {"cpu": "mpi"}),
+        ("cpu:gloo,cuda:nccl", {"cpu": "mpi", "cuda": "nccl"}),
+        ("CPU:Gloo, CUDA:Gloo", {"cpu": "mpi", "cuda": "mpi"}),
+    ],
+)
+def test_torch_backend_names_are_served(no_group, name, served):
+    """Programs written for torch say "gloo": MPI serves it and get_backend() still answers "gloo"."""
+    init(backend=name)
+    asked = str(name).lower().replace(" ", "")
+    problems = []
+    if dist.get_backend() != asked or dist.group.WORLD.devices != served:
+        problems.append(f"{name!r}: get_backend {dist.get_backend()!r}, devices {dist.group.WORLD.devices}")
+    sub = dist.new_group()  # inherits the default group's backend under the same name
+    if dist.get_backend(sub) != asked:
+        problems.append(f"new_group(): {dist.get_backend(sub)!r}")
+    other = dist.new_group(backend=Backend.MPI)
+    if dist.get_backend(other) != "mpi":
+        problems.append(f"new_group(backend='mpi'): {dist.get_backend(other)!r}")
+    fail_together(problems)
+    check_world_works()
+    check_world_works(sub)
+
+
+def test_gloo_subgroup_of_an_mpi_world(no_group):
+    init()
+    g = dist.new_group(backend="gloo")
+    assert dist.get_backend(g) == "gloo" and dist.get_backend() == "mpi"
+    subs = dist.new_subgroups(1, backend="gloo")[1]
+    assert all(dist.get_backend(s) == "gloo" for s in subs if s is not dist.GroupMember.NON_GROUP_MEMBER)
+    check_world_works(g)
+
+
+@pytest.mark.parametrize("name", ["ucc", "UCC", "cpu:ucc"])
+def test_ucc_rejected_with_the_fix(no_group, name):
+    expect_init_value_error(r"^init_process_group: mpidist has no ucc backend: use backend='mpi'", backend=name)
 
 
 @pytest.mark.parametrize("name", ["nosuchbackend", "cpu:nosuchbackend", "cpu", "tcp"])
@@ -538,8 +578,8 @@ def test_cuda_only_mpi_backend_takes_device_arrays_only(no_group, name):
 
     init(backend=name)
     assert dist.group.WORLD.devices == {"cuda": "mpi"}
-    assert dist.get_backend() == "mpi"
-    expect_host_arrays_rejected("mpi")
+    assert dist.get_backend() == "cuda:mpi"
+    expect_host_arrays_rejected("cuda:mpi")
     x = HostCudaArray(np.full(3, float(RANK)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time staging warning
@@ -603,7 +643,7 @@ def test_backend_class():
 def test_availability_queries(monkeypatch):
     assert dist.is_available() is True
     assert dist.is_mpi_available() is True
-    assert dist.is_gloo_available() is False
+    assert dist.is_gloo_available() is True  # the name is served by MPI
     assert dist.is_ucc_available() is False
     nccl = dist.is_nccl_available()
     assert isinstance(nccl, bool)
@@ -612,7 +652,7 @@ def test_availability_queries(monkeypatch):
     assert dist.is_backend_available("mpi") is True
     assert dist.is_backend_available("MPI") is True
     assert dist.is_backend_available(Backend.MPI) is True
-    assert dist.is_backend_available("gloo") is False
+    assert dist.is_backend_available("gloo") is True
     assert dist.is_backend_available("ucc") is False
     assert dist.is_backend_available("nccl") is False
     assert dist.is_backend_available("no_such_backend") is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -13,7 +14,9 @@ from .base import BaseBackend
 __all__ = [
     "Backend",
     "BackendOptions",
+    "SERVED_BY",
     "parse_backend",
+    "requested_name",
     "create_backend",
     "nccl_importable",
     "nccl_available",
@@ -125,14 +128,36 @@ def nccl_usable(arr: Any) -> bool:
     return isinstance(arr.ops, CupyOps) and nccl_available()
 
 
-_NO_GLOO = (
-    "mpidist has no {name} backend: use backend='mpi' (the default), which runs every "
-    "collective on host arrays over MPI"
-)
+log = logging.getLogger("mpidist")
+
+#: torch's backend names that one of mpidist's own backends serves. Programs written for torch say
+#: "gloo" for host collectives: MPI runs them (host arrays, and device arrays staged or CUDA-aware,
+#: as gloo takes CUDA tensors too). "nccl" and "mpi" are mpidist's own. get_backend() still
+#: answers the name the program asked for.
+SERVED_BY: dict[str, str] = {Backend.GLOO: Backend.MPI}
+
+_NO_UCC = "mpidist has no ucc backend: use backend='mpi' (the default), or 'gloo', which MPI serves"
+
+
+def requested_name(backend: Any) -> str:
+    """The name ``get_backend()`` reports for a backend argument: torch's spelling, lowercase.
+
+    Call after :func:`parse_backend` accepted ``backend`` (None: "mpi").
+    """
+    if backend is None:
+        return Backend.MPI
+    text = backend.strip().lower()
+    if ":" not in text:
+        return str(Backend(text))
+    return ",".join(f"{d.strip()}:{n.strip()}" for d, _, n in (part.partition(":") for part in text.split(",")))
 
 
 def parse_backend(backend: Any, fn: str) -> dict[str, str]:
-    """Return ``{device: backend name}`` for a backend argument (None means MPI for CPU)."""
+    """Return ``{device: backend that serves it}`` for a backend argument (None means MPI for CPU).
+
+    torch's names are served (:data:`SERVED_BY`): ``"gloo"`` -> MPI for cpu and
+    cuda, ``"cpu:gloo,cuda:nccl"`` -> MPI for cpu, NCCL for cuda.
+    """
     if backend is None:
         return {"cpu": Backend.MPI}
     if not isinstance(backend, str):
@@ -159,11 +184,15 @@ def parse_backend(backend: Any, fn: str) -> dict[str, str]:
 
 
 def _known(name: str, fn: str) -> str:
-    if name in (Backend.GLOO, Backend.UCC):
-        raise ValueError(f"{fn}: " + _NO_GLOO.format(name=name))
+    if name == Backend.UCC:
+        raise ValueError(f"{fn}: {_NO_UCC}")
+    served = SERVED_BY.get(name)
+    if served is not None:
+        log.debug("%s: backend %r is served by mpidist's %r backend", fn, name, served)
+        return served
     if name in world.backends:
         return name
-    available = ", ".join(sorted(world.backends))
+    available = ", ".join(sorted(set(world.backends) | set(SERVED_BY)))
     raise ValueError(
         f"{fn}: unknown backend {name!r}; available: {available} (or one registered with Backend.register_backend)"
     )
