@@ -997,7 +997,7 @@ def test_init_dist_connection_bad_arguments(no_group, master_env):
         "mpi",
     )
     problems += check_raises(
-        ValueError, r"^init_process_group: .*gloo", fn, FakeEnvironment(), "gloo", timeout=PG_TIMEOUT_S
+        ValueError, r"^init_process_group: .*ucc", fn, FakeEnvironment(), "ucc", timeout=PG_TIMEOUT_S
     )
     if dist.is_initialized():
         problems.append("a failed call initialized the default group")
