@@ -1,12 +1,17 @@
-"""Run a script so that an unhandled exception on one rank ends the whole job.
+"""Run a script as torchrun would, under an MPI launcher; one rank's unhandled exception ends the job.
 
     mpiexec -n 4 python -m mpidist script.py [args...]
     mpiexec -n 4 python -m mpidist -m package.module [args...]
     srun -n 4 python -m mpidist script.py
 
-The exception is printed with every line prefixed by ``[rank N]``, then
-``MPI_Abort`` ends every rank, instead of leaving the others waiting in their
-next collective until the timeout.
+Before the script starts, torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``, ...) are derived from MPI and set where the
+user has not set them (every rank takes part: one collective), so programs
+written for torchrun that read them run unchanged. An unhandled exception is
+printed with every line prefixed by ``[rank N]``, then ``MPI_Abort`` ends every
+rank, instead of leaving the others waiting in their next collective until the
+timeout. ``mpidistrun`` (docs/drop-in.md) starts the job and runs this.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import runpy
 import sys
 
+from ._boot import launched_by_mpi
 from .abort import install_excepthook
+from .launch.environment import fill_environment
 
 USAGE = "usage: python -m mpidist script.py [args...] | python -m mpidist -m module [args...]"
 
@@ -24,6 +31,8 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         print(USAGE)
         return 0 if argv else 2
+    if launched_by_mpi():
+        fill_environment()  # collective: every rank runs this module
     install_excepthook()
     if argv[0] == "-m":
         if len(argv) < 2:

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["launched_by_mpi", "defer_mpi_init", "start_mpi"]
+__all__ = ["launched_by_mpi", "defer_mpi_init", "start_mpi", "fill_launcher_environment"]
 
 # set by the process managers of MPICH (hydra), Open MPI (prte), Slurm with PMI/PMIx, Intel MPI
 _LAUNCHER_VARS = (
@@ -67,4 +67,21 @@ def mpi_initialized() -> bool:
     return mpi is not None and mpi.Is_initialized()
 
 
+def fill_launcher_environment() -> None:
+    """Under an MPI launcher, set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE where unset.
+
+    From the launcher's own variables only (no MPI call, no communication), so
+    that programs written for torchrun can read them right after ``import
+    mpidist``. ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are left to
+    ``python -m mpidist``/``mpidistrun`` (they need the processes to talk, and
+    with ``GROUP_RANK`` set Lightning would take the job for a torchrun job).
+    """
+    if not launched_by_mpi():
+        return
+    from .launch.environment import fill_environment, launcher_environment
+
+    fill_environment(launcher_environment())
+
+
 defer_mpi_init()  # on import, before any module of mpidist imports mpi4py.MPI
+fill_launcher_environment()

@@ -10,6 +10,11 @@
   every process initializes MPI against it, so that ``MPI.COMM_WORLD`` holds
   them all. This needs an MPI library that speaks PMI-1 (MPICH); with any
   other, a clear error says to start the job with ``mpiexec``.
+
+Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``), torchrun's agent already
+serves a store at ``MASTER_ADDR:MASTER_PORT``: every process joins it as a client
+(torch's own ``TCPStore`` client: torch is there under torchrun), under the key
+prefix of this restart attempt, as torch's workers do, instead of binding the port.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from urllib.parse import urlparse
 
 from ._world import world
 
-__all__ = ["Plan", "plan_from", "store_for", "launch_free_world"]
+__all__ = ["Plan", "plan_from", "store_for", "launch_free_world", "agent_store_in_use", "join_agent_store"]
 
 _KEY = "mpidist/boot"
 
@@ -75,7 +80,7 @@ def plan_from(init_method: str | None, store: Any, claims: list[tuple[str, str, 
 
 
 def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: str) -> Any:
-    """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore)."""
+    """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore; torchrun's agent's)."""
     from .store import FileStore, TCPStore
 
     if plan.scheme == "file":
@@ -85,7 +90,31 @@ def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: st
             f"{fn}: env:// needs MASTER_ADDR and MASTER_PORT in the environment (the address and a free "
             "port of rank 0), or start the processes with mpiexec"
         )
+    if plan.scheme == "env" and agent_store_in_use():
+        return join_agent_store(plan.host, plan.port, world_size, timeout, fn)
     return TCPStore(plan.host, plan.port, world_size, rank == 0, timeout, wait_for_workers=False)
+
+
+def agent_store_in_use() -> bool:
+    """True when torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT (torch's own test)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+
+
+def join_agent_store(host: str, port: int, world_size: int, timeout: timedelta, fn: str) -> Any:
+    """Join torchrun's agent store as a client, under this restart attempt's prefix (as torch's workers)."""
+    try:
+        import torch.distributed as tdist
+    except ImportError as exc:  # torchrun always has torch beside it
+        raise RuntimeError(
+            f"{fn}: TORCHELASTIC_USE_AGENT_STORE is set (torchrun), but torch is not importable to join the "
+            "agent's store; install torch in this environment or start the processes with mpiexec"
+        ) from exc
+    from .store import PrefixStore
+    from .store.foreign import ForeignStore
+
+    agent = tdist.TCPStore(host, port, world_size, False, timeout)  # a client: the agent is the server
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    return PrefixStore(f"/worker/attempt_{attempt}", ForeignStore(agent))
 
 
 def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tuple[Any, dict[str, str]]:

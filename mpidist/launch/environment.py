@@ -21,7 +21,14 @@ import os
 import socket
 from typing import Any, Mapping
 
-__all__ = ["TORCHRUN_VARIABLES", "torchrun_environment", "fill_environment", "free_port"]
+__all__ = [
+    "TORCHRUN_VARIABLES",
+    "LAUNCHER_FIELDS",
+    "launcher_environment",
+    "torchrun_environment",
+    "fill_environment",
+    "free_port",
+]
 
 #: what torchrun sets for every worker, and what this module provides
 TORCHRUN_VARIABLES = (
@@ -38,6 +45,37 @@ TORCHRUN_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+
+#: torchrun's per-process variables as MPI launchers spell them: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
+LAUNCHER_FIELDS = (
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH's hydra, Intel MPI
+    (  # Open MPI
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),  # fmt: skip
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # srun
+)
+
+
+def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from the launcher's own variables.
+
+    No MPI call and no communication (``import mpidist`` runs this under a
+    launcher). The first launcher of :data:`LAUNCHER_FIELDS` whose rank and size
+    are both set wins; local values are included when it gives them. The rest of
+    torchrun's variables (node rank, ``MASTER_ADDR``/``MASTER_PORT``) need the
+    processes to talk: :func:`torchrun_environment`.
+    """
+    environ = os.environ if environ is None else environ
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    for fields in LAUNCHER_FIELDS:
+        values = [environ.get(f, "").strip() for f in fields]
+        if values[0].isdigit() and values[1].isdigit():
+            return {n: v for n, v in zip(names, values) if v.isdigit()}
+    return {}
 
 
 def free_port() -> int:
