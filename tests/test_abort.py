@@ -222,9 +222,14 @@ def test_main_help(tmp_path):
 @on_rank_0
 def test_exception_before_mpi_is_initialized_is_prefixed_but_not_aborted(tmp_path):
     """Before MPI is initialized there is nothing to abort: the traceback is prefixed (rank from the
-    launcher's PMI_RANK) and the process exits like any failed Python program."""
-    path = script(tmp_path, 'print("started", flush=True)\nraise KeyError("before init")\n')
-    proc, _ = run(["-m", "mpidist", str(path)], tmp_path, clean_env(PMI_RANK="3"))
+    launcher's PMI_RANK) and the process exits like any failed Python program. (``python -m mpidist``
+    itself starts MPI first under a launcher, to derive torchrun's variables: the script installs
+    the hook.)"""
+    path = script(
+        tmp_path,
+        'import mpidist\nmpidist.install_excepthook()\nprint("started", flush=True)\nraise KeyError("before init")\n',
+    )
+    proc, _ = run([str(path)], tmp_path, clean_env(PMI_RANK="3"))
     assert proc.returncode == 1, proc.stderr
     check_prefixed(proc.stderr, 3)
     assert "[rank 3] KeyError: 'before init'\n" in proc.stderr
