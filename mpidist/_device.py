@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._world import world
+from .reduce_op import divide_average
 
 try:
     import ml_dtypes as _ml_dtypes
@@ -242,13 +243,7 @@ class HostOps(DeviceOps):
         np.multiply(v, factor, out=v, casting="unsafe")
 
     def divide(self, arr: DeviceArray, n: int) -> None:
-        v = self.view(arr)
-        if v.dtype.kind == "c" and arr.c_contiguous:
-            v = v.view(v.real.dtype)  # per component, as MPI's host path rounds it
-        if v.dtype.kind in "iu":
-            v[...] = np.trunc(v / n).astype(v.dtype) if v.dtype.kind == "i" else v // n
-        else:
-            np.divide(v, n, out=v, casting="unsafe")
+        divide_average(self.view(arr), n, np)
 
 
 class CupyOps(DeviceOps):
@@ -323,15 +318,7 @@ class CupyOps(DeviceOps):
 
     def divide(self, arr: DeviceArray, n: int) -> None:
         with self.cp.cuda.Device(arr.device):
-            d = self._arith(arr, "AVG")
-            if d.dtype.kind == "c" and arr.c_contiguous:
-                d = d.view(d.real.dtype)  # per component, as MPI's host path rounds it
-            if d.dtype.kind == "i":
-                d[...] = self.cp.trunc(d / n).astype(d.dtype)
-            elif d.dtype.kind == "u":
-                d //= n
-            else:
-                d /= n
+            divide_average(self._arith(arr, "AVG"), n, self.cp)
 
 
 def _cupy_ops(fn: str, arg: str, what: str) -> CupyOps:

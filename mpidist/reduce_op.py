@@ -271,3 +271,25 @@ def invalid_op_error(fn: str, op: RedOpType, kind: str, dtype_name: str) -> Valu
         f"{fn}: ReduceOp.{op.name} is not defined for {dtype_name} arrays{reason}; "
         f"valid for {_KIND_WORDS[kind]} arrays: {valid}"
     )
+
+
+def divide_average(a: Any, n: int, xp: Any) -> None:
+    """AVG's division of a summed array, in place; ``xp`` is its array module (numpy or cupy).
+
+    The one place this is decided, for every backend and device: floats divide
+    truly, complex numbers per component (dividing by ``n + 0j`` rounds
+    differently), integers truncate toward zero (as NCCL's ``ncclAvg``) with
+    integer arithmetic, so int64/uint64 sums beyond 2**53 stay exact.
+    """
+    kind = a.dtype.kind
+    if kind == "c":
+        xp.divide(a.real, n, out=a.real)
+        xp.divide(a.imag, n, out=a.imag)
+    elif kind == "u":
+        xp.floor_divide(a, n, out=a)
+    elif kind == "i":
+        negative_rest = (xp.remainder(a, n) != 0) & (a < 0)
+        xp.floor_divide(a, n, out=a)
+        a += negative_rest  # floor -> toward zero for negative quotients with a remainder
+    else:  # float16/32/64 and bfloat16
+        xp.divide(a, n, out=a, casting="unsafe")

@@ -295,6 +295,23 @@ def test_all_reduce_every_dtype_and_op(make_backend, dtype, version):
     c.done()
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.int64), np.dtype(np.int32)], ids=str)
+def test_avg_without_ncclavg_is_exact_for_large_integers(make_backend, dtype):
+    """NCCL < 2.10 has no ncclAvg: the sum is divided on the device, in integer arithmetic (float64 would
+    round int64 sums beyond 2**53)."""
+    backend, _, nccl = make_backend(FakeNccl(version=OLD))
+    big = np.iinfo(dtype).max // SIZE - 10
+    values = [[big - 3 * r, -(big - 3 * r) + 1, 7 + r] for r in range(SIZE)]
+    sums = [sum(v[j] for v in values) for j in range(3)]
+    exact = np.array([t // SIZE if t >= 0 else -((-t) // SIZE) for t in sums], dtype)
+    x = np.array(values[RANK], dtype)
+    backend.all_reduce(dev(x), None, R.AVG, False)
+    c = Checks()
+    c.equal(f"AVG {dtype}", x, exact)
+    c.true("divided on the device", bool(nccl.calls("divide")))
+    c.done()
+
+
 @VERSIONS
 @pytest.mark.parametrize("dtype", SOME, ids=str)
 def test_reduce_every_root(make_backend, dtype, version):

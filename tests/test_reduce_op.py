@@ -293,3 +293,39 @@ def test_reduce_op_instance_and_enum_member_give_the_same_result(name, value):
     dist.all_reduce(a, op=getattr(ReduceOp, name))
     dist.all_reduce(b, op=ReduceOp(getattr(ReduceOp, name)))
     assert a[0] == b[0] == value(SIZE)
+
+
+def _avg_inputs(dtype: np.dtype) -> tuple[np.ndarray, list[int]]:
+    """This rank's values near the top of ``dtype`` (beyond 2**53: float64 would round them) and the exact AVG."""
+    size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    info = np.iinfo(dtype)
+    big = info.max // size - 10  # the sum of every rank's value stays in range
+
+    def value(r: int, j: int) -> int:
+        v = big - 3 * r - j
+        return -v if (dtype.kind == "i" and j % 2) else v
+
+    mine = np.array([value(rank, j) for j in range(4)], dtype)
+    sums = [sum(value(r, j) for r in range(size)) for j in range(4)]
+    exact = [s // size if s >= 0 else -((-s) // size) for s in sums]  # truncation toward zero
+    return mine, exact
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int32)], ids=str)
+def test_avg_is_exact_for_every_integer_width(dtype, monkeypatch):
+    """AVG divides in integer arithmetic on every path (host arrays, device arrays over MPI)."""
+    from mpidist._world import world
+    from mpidist.testing import HostCudaArray
+
+    monkeypatch.setenv("MPIDIST_DEVICE_STAGING", "quiet")
+    problems = []
+    for path in ("host", "device staged", "device CUDA-aware"):
+        monkeypatch.setattr(world, "cuda_aware", path == "device CUDA-aware")  # then AVG divides on the device
+        mine, exact = _avg_inputs(dtype)
+        arr = mine.copy() if path == "host" else HostCudaArray(mine.copy(), 7)
+        dist.all_reduce(arr, op=ReduceOp.AVG)
+        got = (arr if path == "host" else arr.host).tolist()
+        if got != exact:
+            problems.append(f"{path} {dtype}: got {got}, expected {exact}")
+    everyone = MPI.COMM_WORLD.allgather(problems)
+    assert not any(everyone), everyone

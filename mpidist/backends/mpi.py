@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from .. import _arrays
 from .._world import world
-from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, factor_value, invalid_op_error, resolve
+from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
 from ..work import Work, poll
 from .base import BaseBackend
 
@@ -124,21 +124,6 @@ def type_table() -> dict[np.dtype, TypeEntry]:
     if world.mpi_type_table is None:
         world.mpi_type_table = {dt: _entry(info) for dt, info in _arrays.DTYPES.items()}
     return world.mpi_type_table
-
-
-def _divide_inplace(a: ndarray, n: int) -> None:
-    """AVG's division: true division for floats, truncation toward zero for integers."""
-    if a.dtype.kind == "c":  # divide the components: complex division by n+0j rounds differently
-        parts = a.view(a.real.dtype)
-        np.divide(parts, n, out=parts)
-    elif a.dtype.kind in "fV":
-        np.divide(a, n, out=a, casting="unsafe")
-    elif a.dtype.kind == "u":
-        np.floor_divide(a, n, out=a)
-    else:
-        q = np.floor_divide(a, n)
-        q += (np.remainder(a, n) != 0) & (a < 0)
-        a[...] = q
 
 
 def _write_backs(backs: Sequence[tuple[ndarray, ndarray]]) -> None:
@@ -507,7 +492,7 @@ class MPIBackend(BaseBackend):
         def finish() -> None:
             if r is not None:
                 if post is Post.AVG:
-                    _divide_inplace(r, size)
+                    divide_average(r, size, np)
                 if wide is not None:
                     np.copyto(recv, r, casting="unsafe")
             if backs:
