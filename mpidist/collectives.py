@@ -555,7 +555,7 @@ def all_reduce_coalesced(
     for a in arrays:
         backs.append((packed[offset : offset + a.size], a))
         offset += a.size
-    w = pg.impl.all_reduce(packed, backs + devices, op, async_op)
+    w = pg.packing_backend().all_reduce(packed, backs + devices, op, async_op)
     if w is not None:
         w._outputs = list(tensors)
     return w
@@ -606,7 +606,7 @@ def all_gather_coalesced(
         for o in lst:
             backs.append((flat[offset : offset + o.size], o))
             offset += o.size
-    w = pg.impl.all_gather_into_tensor(flat, backs + devices, packed, async_op)
+    w = pg.packing_backend().all_gather_into_tensor(flat, backs + devices, packed, async_op)
     if w is not None:
         w._outputs = [output_tensor_lists]
     return w

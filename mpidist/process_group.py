@@ -91,6 +91,11 @@ class ProcessGroup:
             )
         return self.impl
 
+    def packing_backend(self) -> BaseBackend:
+        """The backend for host buffers mpidist packs itself (``*_coalesced``): the host backend, or on a
+        device-only group (``backend="nccl"``) the MPI backend of the group's private communicator."""
+        return self.impl if self.host_ok else self.control
+
     def rank(self) -> int:
         """Return this process's rank in the group."""
         return self.impl.rank

@@ -6,6 +6,7 @@ from their environment), so they run once, from a world of one rank.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -157,3 +158,23 @@ def test_master_port_that_is_not_a_number(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "http")
     with pytest.raises(ValueError, match=r"^f: environment variable MASTER_PORT='http' is not a port number$"):
         rendezvous.plan_from(None, None, [], "f")
+
+
+@only_once
+@pytest.mark.parametrize(
+    "launcher", [{}, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}], ids=["none", "hydra"]
+)
+def test_import_mpidist_leaves_mpi_uninitialized_and_imports_no_torch(launcher):
+    """import mpidist starts nothing: no mpi4py.MPI (so a launcher-free world can still form), no torch or
+    cupy; under a launcher it only copies the launcher's rank variables into torchrun's names."""
+    code = (
+        "import os, sys, json, mpidist\n"
+        "print(json.dumps([sorted(m for m in ('mpi4py.MPI', 'torch', 'cupy') if m in sys.modules),"
+        " os.environ.get('RANK'), os.environ.get('LOCAL_RANK')]))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(**launcher), capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    expected = [[], "1", "1"] if launcher else [[], None, None]
+    assert json.loads(p.stdout) == expected

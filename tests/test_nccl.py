@@ -915,6 +915,33 @@ def test_public_api_cuda_only_group(fake_factory):
     c.done()
 
 
+@pytest.mark.parametrize("backend", ["nccl", "cpu:mpi,cuda:nccl"])
+def test_coalesced_collectives_on_an_nccl_group(fake_factory, monkeypatch, backend):
+    """*_coalesced pack on the host: on a group whose device backend is NCCL the packed host buffer
+    must go to MPI (the host backend, or the group's private MPI communicator on a device-only group),
+    never to NCCL."""
+    import mpidist.groups
+
+    monkeypatch.setattr(mpidist.groups, "nccl_available", lambda: True)
+    g = dist.new_group(list(range(SIZE)), backend=backend)
+    c = Checks()
+    a, b = np.full(3, RANK + 1.0), np.full((2, 2), float(RANK))
+    dist.all_reduce_coalesced([HostCudaArray(a), HostCudaArray(b)], group=g)
+    c.equal("all_reduce_coalesced [0]", a, np.full(3, SIZE * (SIZE + 1) / 2))
+    c.equal("all_reduce_coalesced [1]", b, np.full((2, 2), SIZE * (SIZE - 1) / 2))
+    outs = [[HostCudaArray(np.zeros(2)), HostCudaArray(np.zeros(1))] for _ in range(SIZE)]
+    dist.all_gather_coalesced(
+        outs, [HostCudaArray(np.full(2, float(RANK))), HostCudaArray(np.full(1, -1.0 * RANK))], group=g
+    )
+    for r in range(SIZE):
+        c.equal(f"all_gather_coalesced [{r}]", [o.host.tolist() for o in outs[r]], [[float(r)] * 2, [-1.0 * r]])
+    c.equal(
+        "NCCL was given no host buffer", [e for e in fake_factory[-1].log if e[0] in ("allReduce", "allGather")], []
+    )
+    dist.destroy_process_group(g)
+    c.done()
+
+
 def test_public_api_mixed_group(fake_factory, monkeypatch):
     import mpidist.groups
 
