@@ -416,6 +416,15 @@ def prepare_output_list(
     return bufs, backs
 
 
+def displacements(counts: Sequence[int]) -> list[int]:
+    """Where each of consecutive blocks of ``counts`` starts: ``[0, c0, c0 + c1, ...]`` (one per count)."""
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
 def may_overlap(a: ndarray, b: ndarray) -> bool:
     """Return True unless ``a`` and ``b`` certainly use separate memory.
 

@@ -39,7 +39,9 @@ def defer_mpi_init() -> None:
     """Without a launcher, keep mpi4py from initializing MPI until ``start_mpi``."""
     if "mpi4py.MPI" in sys.modules or launched_by_mpi():
         return
-    if os.environ.get("MPIDIST_EAGER_MPI_INIT", "").strip().lower() in ("1", "true", "yes"):
+    from ._validate import env_flag  # stdlib only: safe before mpi4py.MPI
+
+    if env_flag("MPIDIST_EAGER_MPI_INIT"):
         return
     import mpi4py
 

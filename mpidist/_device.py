@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 from typing import Any
 
 import numpy as np
 
+from ._validate import env_flag
 from ._world import world
 from .reduce_op import divide_average
 
@@ -419,11 +419,9 @@ def mpi_cuda_aware() -> bool:
     through ``MPIX_Query_cuda_support`` (Open MPI, MPICH >= 4).
     """
     if world.cuda_aware is None:
-        forced = os.environ.get("MPIDIST_CUDA_AWARE", "").strip().lower()
-        if forced in ("1", "true", "yes", "on"):
-            world.cuda_aware = True
-        elif forced in ("0", "false", "no", "off"):
-            world.cuda_aware = False
+        forced = env_flag("MPIDIST_CUDA_AWARE", default=None)
+        if forced is not None:
+            world.cuda_aware = forced
         else:
             from mpi4py import MPI
 

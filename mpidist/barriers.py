@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from ._validate import timeout_seconds
 from ._world import world
 from .process_group import ProcessGroup, absent, resolve_group
-from .work import poll, timeout_seconds
+from .work import poll
 
 __all__ = ["monitored_barrier"]
 

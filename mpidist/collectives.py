@@ -24,6 +24,7 @@ from ._arrays import (
     prepare_output,
     prepare_output_list,
 )
+from ._validate import timeout_seconds
 from ._world import world
 from .errors import RankNotInGroupError
 from .process_group import ProcessGroup, absent, backend_for, rank_int, resolve_group
@@ -509,9 +510,10 @@ def barrier(
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
     if async_op or timeout is None:
         return pg.impl.barrier(async_op)
+    limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())  # checked before anything is posted
     w = pg.impl.barrier(True)
     if w is not None:
-        w.wait(timeout)
+        w.wait(limit)
     return None
 
 

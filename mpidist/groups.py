@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from . import debug
+from ._validate import timeout_arg
 from ._world import world
 from .backends.registry import (
     Backend,
@@ -25,7 +26,6 @@ from .backends.registry import (
     requested_name,
 )
 from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
-from .work import timeout_seconds
 
 __all__ = [
     "new_group",
@@ -35,14 +35,7 @@ __all__ = [
     "get_global_rank",
     "get_process_group_ranks",
     "make_group",
-    "timeout_arg",
 ]
-
-
-def timeout_arg(timeout: Any, fn: str, default: timedelta) -> timedelta:
-    """Return a ``timeout`` argument (timedelta or seconds; None for ``default``) as a timedelta."""
-    seconds = timeout_seconds(timeout, fn, default.total_seconds())
-    return timedelta(seconds=seconds)
 
 
 def make_group(

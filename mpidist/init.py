@@ -16,11 +16,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from ._boot import launched_by_mpi, mpi_initialized, start_mpi
+from ._validate import env_flag, int_arg, timeout_arg
 from ._world import world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
 from .debug import set_debug_level_from_env
 from .errors import DistBackendError
-from .groups import make_group, timeout_arg
+from .groups import make_group
 from .process_group import ProcessGroup, resolve_group
 from .rendezvous import launch_free_world, plan_from
 from .work import poll
@@ -51,13 +52,8 @@ default_pg_timeout = timedelta(minutes=30)
 _SCHEMES = ("env", "tcp", "file")
 
 
-def _int_arg(value: Any, fn: str, arg: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < -1:
-        raise ValueError(f"{fn}: {arg} must be -1 (take it from MPI) or a non-negative int, got {value}")
-    return value
+#: the range rank/world_size arguments take (-1: not stated, MPI or the environment says)
+_FROM_MPI = "-1 (take it from MPI) or a non-negative int"
 
 
 def _claims(init_method: str | None, rank: int, world_size: int, fn: str) -> list[tuple[str, str, int]]:
@@ -169,8 +165,8 @@ def init_process_group(
         devices = parse_backend(backend, fn)
         if init_method is not None and store is not None:
             raise ValueError(f"{fn}: init_method and store are mutually exclusive; pass one of them")
-        rank = _int_arg(rank, fn, "rank")
-        world_size = _int_arg(world_size, fn, "world_size")
+        rank = int_arg(rank, fn, "rank", -1, _FROM_MPI)
+        world_size = int_arg(world_size, fn, "world_size", -1, _FROM_MPI)
         claims = _claims(init_method, rank, world_size, fn)
         if store is not None:
             _check_store(store, fn)
@@ -211,7 +207,7 @@ def init_process_group(
             "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
             "tag_ub": int(control.Get_attr(MPI.TAG_UB)),
             "oversubscribed": node.Get_size() > _usable_cpus(),
-            "abort_on_timeout": os.environ.get("MPIDIST_ABORT_ON_TIMEOUT", "").strip().lower() in ("1", "true", "yes"),
+            "abort_on_timeout": env_flag("MPIDIST_ABORT_ON_TIMEOUT"),
         }
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:

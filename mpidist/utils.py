@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ._arrays import DTYPES, as_array
+from ._validate import int_arg
 from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
 from .process_group import ProcessGroup, resolve_group
@@ -439,15 +440,6 @@ def register_ddp_comm_hook(
     model.register_comm_hook(state=ddp_comm_state, hook=hook)
 
 
-def _int_arg(value: Any, fn: str, arg: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
-        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
-    value = operator.index(value)
-    if value < 0:
-        raise ValueError(f"{fn}: {arg} must be a non-negative int, got {value}")
-    return value
-
-
 def init_dist_connection(
     cluster_environment: Any,
     torch_distributed_backend: str | None,
@@ -500,10 +492,10 @@ def init_dist_connection(
         )
     if global_rank is None:
         global_rank = cluster_environment.global_rank()
-    global_rank = _int_arg(global_rank, fn, "global_rank")
+    global_rank = int_arg(global_rank, fn, "global_rank")
     if world_size is None:
         world_size = cluster_environment.world_size()
-    world_size = _int_arg(world_size, fn, "world_size")
+    world_size = int_arg(world_size, fn, "world_size")
     address = cluster_environment.main_address
     if not isinstance(address, str) or not address:
         raise TypeError(f"{fn}: cluster_environment.main_address must be a non-empty str, got {address!r}")

@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from . import stall
+from ._validate import timeout_seconds
 
 __all__ = ["Work", "Future", "poll", "poll_slowly", "timeout_seconds", "SPINS_IDLE_CORES", "SPINS_OVERSUBSCRIBED"]
 
@@ -77,21 +77,6 @@ def poll_slowly(test: Callable[[], Any], timeout_s: float, idle: Callable[[], No
             return False
         if idle is not None:
             idle()
-
-
-def timeout_seconds(timeout: Any, fn: str, default: float) -> float:
-    """Return a timeout argument (timedelta, seconds, or None/0 for ``default``) in seconds."""
-    if timeout is None:
-        return default
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"{fn}: timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
-    if seconds < 0:
-        raise ValueError(f"{fn}: timeout must not be negative, got {seconds} s")
-    return seconds if seconds > 0 else default
 
 
 class Future:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..work import Future, Work, timeout_seconds
+from .._validate import timeout_seconds
+from ..work import Future, Work
 
 __all__ = ["CudaWork"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections import deque
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from .._arrays import DTYPES
 from .._device import DeviceArray
+from .._validate import env_flag
 from .._world import world
 from ..errors import DistBackendError, DistError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, factor_value, invalid_op_error, resolve
@@ -114,18 +114,6 @@ def _consecutive(arrays: Sequence[DeviceArray]) -> bool:
     return all(b.ptr == a.ptr + a.nbytes for a, b in zip(arrays, arrays[1:]))
 
 
-def _displacements(counts: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
-
-
-def _env_flag(*names: str) -> bool:
-    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
-
-
 def on_device(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a backend method with the backend's GPU as the current device."""
 
@@ -171,7 +159,7 @@ class NCCLBase(BaseBackend):
         nccl = rt.nccl
         self._types = type_table(nccl, self.version)
         self._ops = {name: int(getattr(nccl, const, value)) for name, (const, value) in _NCCL_OPS.items()}
-        self.blocking_wait = _env_flag("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+        self.blocking_wait = bool(env_flag("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"))
         self._inflight: deque[tuple[Any, Any]] = deque()  # (event, buffers) of calls nobody waits for
         self._scratch: DeviceArray | None = None  # barrier's one element
         self._batch: list[Any] | None = None  # inside coalescing(): works and deferred steps

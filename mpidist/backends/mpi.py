@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _arrays
+from .._arrays import displacements
 from .._world import world
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
 from ..work import Work, poll
@@ -171,7 +172,7 @@ def _vector(
         return [MPI.buffer.fromaddress(base, span), counts, displs, BYTE], addrs, []
     staging = np.empty(sum(counts), np.uint8)
     world.stats.count_copy(staging.nbytes)
-    displs = _displacements(counts)
+    displs = displacements(counts)
     views = [staging[d : d + n].view(a.dtype).reshape(a.shape) for d, n, a in zip(displs, counts, arrays)]
     if not output:
         for view, a in zip(views, arrays):
@@ -678,8 +679,8 @@ class MPIBackend(BaseBackend):
                 req = self.comm.Ialltoall(inp if e.direct else [inp, e.mpi], out if e.direct else [out, e.mpi])
             else:
                 req = self.comm.Ialltoallv(
-                    [inp, list(in_counts), _displacements(in_counts), e.mpi],
-                    [out, list(out_counts), _displacements(out_counts), e.mpi],
+                    [inp, list(in_counts), displacements(in_counts), e.mpi],
+                    [out, list(out_counts), displacements(out_counts), e.mpi],
                 )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
@@ -757,11 +758,3 @@ class MPIBackend(BaseBackend):
                 _write_backs(backs)
 
         return Work([req], finish, buf, "recv", self, self.p2p_seq, self.timeout_s, status)
-
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out

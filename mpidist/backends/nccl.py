@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from .._arrays import displacements
 from .._device import DeviceArray
 from .._world import world
 from ._cuda import CudaRuntime
 from ._cuda_work import CudaWork
-from ._nccl_base import _F32, NCCLBase, _consecutive, _displacements, _overlap, _same_memory, on_device
+from ._nccl_base import _F32, NCCLBase, _consecutive, _overlap, _same_memory, on_device
 
 __all__ = ["NCCLBackend", "CudaWork", "runtime_factory"]
 
@@ -165,7 +166,7 @@ class NCCLBackend(NCCLBase):
             srcs: Sequence[DeviceArray] = ins
             if p.factor is not None or any(_overlap(out, a) for a in ins) or (even and not _consecutive(ins)):
                 packed = self._temp(out, sum(sizes), keep)
-                srcs = [packed.flat(d, n) for d, n in zip(_displacements(sizes), sizes)]
+                srcs = [packed.flat(d, n) for d, n in zip(displacements(sizes), sizes)]
                 for dst, a in zip(srcs, ins):
                     if a.size:
                         self.rt.copy(dst, a.reshape(a.size), self.stream)
@@ -329,7 +330,7 @@ class NCCLBackend(NCCLBase):
         streams = self._begin([out, inp], backs)
         keep: list[Any] = [out, inp, backs]
         item = out.dtype.itemsize
-        in_at, out_at = _displacements(in_counts), _displacements(out_counts)
+        in_at, out_at = displacements(in_counts), displacements(out_counts)
         with self._enqueue(fn, seq):
             src = self._copy_of(inp, keep) if _overlap(out, inp) else inp
             with self._grouped():

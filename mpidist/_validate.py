@@ -1,0 +1,77 @@
+"""Checks of arguments and environment variables, each rule in one place, in mpidist's message format.
+
+Every check names the function and the argument (or the variable), says what was
+expected and what was given, and raises before any MPI call::
+
+    >>> int_arg(True, "init_process_group", "rank")
+    TypeError: init_process_group: rank must be an int, got bool
+    >>> timeout_seconds(float("nan"), "Work.wait", 30.0)
+    ValueError: Work.wait: timeout must be a number of seconds, got nan
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["int_arg", "timeout_seconds", "timeout_arg", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
+
+#: the words an environment flag may take (any case, surrounding blanks ignored); unset or empty: the default
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def int_arg(value: Any, fn: str, arg: str, minimum: int = 0, expected: str = "a non-negative int") -> int:
+    """``value`` as an int (bools refused) of at least ``minimum``; ``expected`` words the range in messages."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or not hasattr(value, "__index__"):
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
+    value = operator.index(value)
+    if value < minimum:
+        raise ValueError(f"{fn}: {arg} must be {expected}, got {value}")
+    return value
+
+
+def timeout_seconds(timeout: Any, fn: str, default: float) -> float:
+    """A timeout argument (timedelta or seconds; None or 0 for ``default``) in seconds."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{fn}: timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
+    if math.isnan(seconds):
+        raise ValueError(f"{fn}: timeout must be a number of seconds, got nan")
+    if seconds < 0:
+        raise ValueError(f"{fn}: timeout must not be negative, got {seconds} s")
+    return seconds if seconds > 0 else default
+
+
+def timeout_arg(timeout: Any, fn: str, default: timedelta) -> timedelta:
+    """A timeout argument (timedelta or seconds; None for ``default``) as a timedelta."""
+    return timedelta(seconds=timeout_seconds(timeout, fn, default.total_seconds()))
+
+
+def env_flag(*names: str, default: bool | None = False) -> bool | None:
+    """The first of the variables ``names`` that is set, read as a flag (:data:`TRUE_WORDS`/:data:`FALSE_WORDS`).
+
+    Unset or empty everywhere: ``default``. Any other word raises a ValueError
+    naming the variable and the accepted words.
+    """
+    for name in names:
+        text = os.environ.get(name, "").strip().lower()
+        if not text:
+            continue
+        if text in TRUE_WORDS:
+            return True
+        if text in FALSE_WORDS:
+            return False
+        raise ValueError(
+            f"environment variable {name}={os.environ[name]!r} is not a flag: use one of "
+            f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}"
+        )
+    return default
