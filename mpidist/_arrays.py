@@ -425,6 +425,30 @@ def displacements(counts: Sequence[int]) -> list[int]:
     return out
 
 
+def overlapping_pair(spans: Sequence[tuple[Any, int, int, int]]) -> tuple[int, int] | None:
+    """The first two of ``spans`` that share memory, as ``(i, j)`` with ``i < j``, or None.
+
+    Each span is ``(memory space, start, end, index)``: the space is 0 for host
+    memory or the device for GPU memory, start and end are byte addresses. Empty
+    spans never overlap. (Sorted by start, two spans overlap only if two
+    neighbours do.)
+    """
+    ordered = sorted(s for s in spans if s[2] > s[1])
+    for (d1, _, end, i), (d2, start, _, j) in zip(ordered, ordered[1:]):
+        if d1 == d2 and start < end:
+            return min(i, j), max(i, j)
+    return None
+
+
+def refuse_overlapping_outputs(spans: Sequence[tuple[Any, int, int, int]], fn: str, arg: str) -> None:
+    """Raise the ValueError for outputs ``arg[i]`` and ``arg[j]`` that share memory (see :func:`overlapping_pair`)."""
+    pair = overlapping_pair(spans)
+    if pair is not None:
+        raise ValueError(
+            f"{fn}: {arg}[{pair[0]}] and {arg}[{pair[1]}] overlap in memory; every output needs its own memory"
+        )
+
+
 def may_overlap(a: ndarray, b: ndarray) -> bool:
     """Return True unless ``a`` and ``b`` certainly use separate memory.
 

@@ -141,12 +141,9 @@ def _layout(arrays: Sequence[ndarray], fn: str, arg: str, check_overlap: bool) -
     counts = [a.nbytes for a in arrays]
     addrs = [_address(a) if n else 0 for a, n in zip(arrays, counts)]
     if check_overlap:
-        spans = sorted((addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts)) if n)
-        for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
-            if start < end:
-                raise ValueError(
-                    f"{fn}: {arg}[{i}] and {arg}[{j}] overlap in memory; every output needs its own memory"
-                )
+        _arrays.refuse_overlapping_outputs(
+            [(0, addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts))], fn, arg
+        )
     return counts, addrs
 
 

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .._arrays import overlapping_pair, refuse_overlapping_outputs
 from .._device import DeviceArray, mpi_cuda_aware
 from .._world import world
 from ..reduce_op import RedOpType
@@ -52,26 +53,18 @@ def _pointer_view(a: DeviceArray) -> ndarray:
     return np.frombuffer(MPI.buffer.fromaddress(a.ptr, a.nbytes), a.dtype).reshape(a.shape)
 
 
-def _span(a: DeviceArray) -> tuple[int, int, int]:
-    return a.device, a.ptr, a.ptr + a.nbytes
+def _spans(arrays: Sequence[Any]) -> list[tuple[Any, int, int, int]]:
+    return [(a.device, a.ptr, a.ptr + a.nbytes, i) for i, a in enumerate(arrays) if type(a) is DeviceArray]
 
 
 def _overlapping(arrays: Sequence[DeviceArray]) -> bool:
-    spans = sorted(_span(a) for a in arrays if a.nbytes)
-    return any(d1 == d2 and s2 < e1 for (d1, _, e1), (d2, s2, _) in zip(spans, spans[1:]))
+    return overlapping_pair(_spans(arrays)) is not None
 
 
 def _distinct_outputs(outs: Sequence[Any] | None, fn: str, arg: str) -> None:
     """Refuse device outputs that overlap (staging would hide it; the MPI backend refuses it for host ones)."""
-    if not outs:
-        return
-    spans = sorted(
-        (a.device, a.ptr, a.ptr + a.nbytes, i) for i, a in enumerate(outs) if type(a) is DeviceArray and a.nbytes
-    )
-    for (d1, _, end, i), (d2, start, _, j) in zip(spans, spans[1:]):
-        if d1 == d2 and start < end:
-            i, j = min(i, j), max(i, j)
-            raise ValueError(f"{fn}: {arg}[{i}] and {arg}[{j}] overlap in memory; every output needs its own memory")
+    if outs:
+        refuse_overlapping_outputs(_spans(outs), fn, arg)
 
 
 class _Call:
