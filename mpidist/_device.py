@@ -18,6 +18,7 @@ between host and device, scaling in place) goes through a :class:`DeviceOps`:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib
 from typing import Any
@@ -197,14 +198,15 @@ class DeviceOps:
 class HostOps(DeviceOps):
     """Device ops for "device" arrays whose memory is host memory (tests without a GPU).
 
-    Counts the stream synchronizations it is asked for (``syncs``), so tests can
-    check that a backend waits for the producer before it touches the memory.
+    Records the streams of the last synchronizations it was asked for (``syncs``, the
+    newest 1024), so tests can check that a backend waits for the producer before it
+    touches the memory.
     """
 
     name = "host-standin"
 
     def __init__(self) -> None:
-        self.syncs: list[int | None] = []
+        self.syncs: collections.deque[int | None] = collections.deque(maxlen=1024)
 
     def view(self, arr: DeviceArray) -> np.ndarray:
         """Return a numpy view of the array's memory (possible only because it is host memory)."""

@@ -9,6 +9,7 @@ caches that depend on the MPI library. ``destroy_process_group()`` calls
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -49,6 +50,24 @@ class Stats:
         self.copied_bytes += int(nbytes)
 
 
+@dataclass
+class InitInfo:
+    """What one ``init_process_group`` found out about the world (reset by ``destroy_process_group``).
+
+    The defaults are what mpidist assumes before any init.
+    """
+
+    node_rank: int = 0  # this process's rank on its node (shared-memory split)
+    node_size: int = 1  # processes on this node
+    init_method: str = "env://"
+    mpi_library: str = ""  # the first line of MPI_Get_library_version
+    tag_ub: int = 32767  # the largest tag MPI allows (the standard's minimum until known)
+    oversubscribed: bool = True  # more ranks on the node than usable cores (polls yield sooner)
+    abort_on_timeout: bool = False  # MPIDIST_ABORT_ON_TIMEOUT
+    own_store: bool = False  # the default store was opened by mpidist (closed at destroy)
+    store_error: str = ""  # why rank 0 could not open a default store
+
+
 class World:
     """Process-wide state: default group, group registry, backends, caches."""
 
@@ -67,6 +86,10 @@ class World:
         self.survey_count = 0  # timeout diagnoses started here (see stall.py)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment
         self.pmi_server: Any = None  # rank 0 of a world started without an MPI launcher (pmi.py)
+        # buffers and communicators MPI or NCCL may still touch after a call that failed or timed out:
+        # kept alive for the life of the process (freeing them could corrupt memory); grows only on failures
+        self.unreleased: list[Any] = []
+        self.cuda_runtime_factory: Callable[[], Any] | None = None  # None: CudaRuntime.from_cupy (tests: a fake)
         self._clear()
 
     def _clear(self) -> None:
@@ -77,7 +100,7 @@ class World:
         self.control_comm: Any = None  # private MPI communicator for library traffic
         self.control: Any = None  # an MPIBackend over control_comm (bounded waits, diagnoses)
         self.node_comm: Any = None  # shared-memory (node-local) split of the world
-        self.init_info: dict[str, Any] = {}
+        self.init_info = InitInfo()
         self.store: Any = None  # the default store (get_default_store)
 
     def next_group_name(self) -> str:

@@ -266,7 +266,7 @@ def new_subgroups(
         raise ValueError(f"{fn}: this rank is not a member of the group to split")
     n = parent.size()
     if group_size is None:
-        group_size = world.init_info.get("node_size", 1)
+        group_size = world.init_info.node_size
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"{fn}: group_size must be an int, got {type(group_size).__name__}")
     if group_size <= 0:

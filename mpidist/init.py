@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ._boot import launched_by_mpi, mpi_initialized, start_mpi
 from ._validate import env_flag, int_arg, timeout_arg
-from ._world import world
+from ._world import InitInfo, world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
 from .debug import set_debug_level_from_env
 from .errors import DistBackendError
@@ -200,19 +200,19 @@ def init_process_group(
             raise
         world.control_comm = control
         world.node_comm = node
-        world.init_info = {
-            "node_rank": node.Get_rank(),
-            "node_size": node.Get_size(),
-            "init_method": init_method or "env://",
-            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-            "tag_ub": int(control.Get_attr(MPI.TAG_UB)),
-            "oversubscribed": node.Get_size() > _usable_cpus(),
-            "abort_on_timeout": env_flag("MPIDIST_ABORT_ON_TIMEOUT"),
-        }
+        world.init_info = InitInfo(
+            node_rank=node.Get_rank(),
+            node_size=node.Get_size(),
+            init_method=init_method or "env://",
+            mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
+            tag_ub=int(control.Get_attr(MPI.TAG_UB)),
+            oversubscribed=node.Get_size() > _usable_cpus(),
+            abort_on_timeout=bool(env_flag("MPIDIST_ABORT_ON_TIMEOUT")),
+        )
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
             world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
-            world.init_info["own_store"] = store is None
+            world.init_info.own_store = store is None
             pg = make_group(
                 data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg",
                 requested_name(backend),
@@ -253,7 +253,7 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
             found = (f"{type(exc).__name__}: {exc}", None)
     error, address = comm.bcast(found, root=0)
     if error:
-        world.init_info["store_error"] = error
+        world.init_info.store_error = error
         return None
     return (
         made
@@ -280,7 +280,7 @@ def get_default_store() -> Any:
     if world.default_pg is None:
         raise RuntimeError(f"{fn}: the default process group is not initialized; call init_process_group() first")
     if world.store is None:
-        raise RuntimeError(f"{fn}: rank 0 could not open a store: {world.init_info.get('store_error', 'unknown')}")
+        raise RuntimeError(f"{fn}: rank 0 could not open a store: {world.init_info.store_error or 'unknown'}")
     return world.store
 
 
@@ -295,7 +295,7 @@ def _usable_cpus() -> int:
 def _close_store() -> None:
     """Close the default store if mpidist opened it (a user's store stays open)."""
     close = getattr(world.store, "close", None)
-    if world.init_info.get("own_store") and callable(close):
+    if world.init_info.own_store and callable(close):
         close()
 
 
@@ -411,7 +411,7 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     if text is not None:
         return int(text)
     if world.default_pg is not None:
-        return int(world.init_info["node_rank"])
+        return world.init_info.node_rank
     if fallback_rank is not None:
         return int(fallback_rank)
     raise RuntimeError(

@@ -29,7 +29,7 @@ def _tag(tag: Any, fn: str) -> int:
     if isinstance(tag, bool) or not hasattr(tag, "__index__"):
         raise TypeError(f"{fn}: tag must be an int, got {type(tag).__name__}")
     t = operator.index(tag)
-    upper = world.init_info.get("tag_ub", 32767)
+    upper = world.init_info.tag_ub
     if not 0 <= t <= upper:
         raise ValueError(f"{fn}: tag must be between 0 and {upper} (MPI_TAG_UB of this MPI library), got {t}")
     return t

@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist import DistBackendError
-from mpidist.backends import nccl as nccl_backend
+from mpidist._world import world
 from mpidist.backends._cuda import bfloat16_apply, make_communicator, parse_version, uid_bytes, uid_tuple
 from mpidist.backends._cuda_work import CudaWork
 from mpidist.backends.nccl import NCCLBackend
@@ -885,7 +885,7 @@ def fake_factory(monkeypatch):
         made.append(FakeNccl())
         return FakeRuntime(made[-1])
 
-    monkeypatch.setattr(nccl_backend, "runtime_factory", factory)
+    monkeypatch.setattr(world, "cuda_runtime_factory", factory)
     return made
 
 

@@ -42,7 +42,6 @@ __all__ = [
 #: NCCL_UNIQUE_ID_BYTES (nccl.h)
 UID_BYTES = 128
 #: broadcasts of unique ids that timed out (their buffers must outlive them)
-_UNFINISHED: list[Any] = []
 
 
 def uid_bytes(uid: Any) -> bytes:
@@ -271,7 +270,7 @@ def _node_local_rank(comm: Any) -> int:
     text = os.environ.get("LOCAL_RANK", "").strip()
     if text.isdigit():
         return int(text)
-    node_rank = world.init_info.get("node_rank")
+    node_rank = world.init_info.node_rank if world.node_comm is not None else None  # known once init split it
     if node_rank is not None:
         return int(node_rank)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
@@ -313,7 +312,7 @@ def share_unique_id(rt: CudaRuntime, comm: Any, timeout_s: float, where: str) ->
             failure = exc
     req = comm.Ibcast([buf, MPI.BYTE], root=0)
     if not poll(req.Test, timeout_s):
-        _UNFINISHED.append((req, buf))  # MPI may still write into buf: never free it
+        world.unreleased.append((req, buf))  # MPI may still write into buf: never free it
         raise DistBackendError(
             f"{where}: rank 0's NCCL unique id did not arrive within the timeout of {timeout_s:g} s; "
             "every member of the group must create it at the same point"

@@ -55,7 +55,6 @@ _AVG_VERSION = (2, 10)
 _F32 = np.dtype(np.float32)
 
 #: buffers of operations that never completed, from backends already gone (never freed)
-_LEAKED: list[Any] = []
 
 
 class _TypeEntry(NamedTuple):
@@ -422,7 +421,7 @@ class NCCLBase(BaseBackend):
                 if not poll(lambda: all(rt.query(e) for e, _ in inflight), self.timeout_s, self.spins):
                     self._abort("a call was still running when the group was destroyed")
             if self.pending():
-                _LEAKED.append((list(inflight), list(self._stuck)))
+                world.unreleased.append((list(inflight), list(self._stuck)))
             if self._broken is None:
                 with contextlib.suppress(Exception):
                     rt.destroy(self._comm)

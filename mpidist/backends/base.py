@@ -47,7 +47,7 @@ class BaseBackend(ABC):
         self.p2p_seq = 0  # point-to-point calls issued here (differs between ranks)
         self._stuck: list[Any] = []
         # tests before a wait yields the CPU (see work.poll): long if this node has a core per rank
-        self.spins = SPINS_OVERSUBSCRIBED if world.init_info.get("oversubscribed", True) else SPINS_IDLE_CORES
+        self.spins = SPINS_OVERSUBSCRIBED if world.init_info.oversubscribed else SPINS_IDLE_CORES
 
     # -- errors shared by every backend ------------------------------------------------
     def describe(self) -> str:
@@ -73,7 +73,7 @@ class BaseBackend(ABC):
             f"{timeout_s:g} s.{where} The group is unusable now (the call is still pending inside "
             "MPI): destroy it, or end the job (mpidist.abort_process_group)."
         )
-        if world.init_info.get("abort_on_timeout"):
+        if world.init_info.abort_on_timeout:
             from ..abort import abort_process_group
 
             abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")

@@ -31,7 +31,7 @@ reductions. Data movement takes every dtype (as bytes where NCCL has no type).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .._arrays import displacements
 from .._device import DeviceArray
@@ -40,10 +40,9 @@ from ._cuda import CudaRuntime
 from ._cuda_work import CudaWork
 from ._nccl_base import _F32, NCCLBase, _consecutive, _overlap, _same_memory, on_device
 
-__all__ = ["NCCLBackend", "CudaWork", "runtime_factory"]
+__all__ = ["NCCLBackend", "CudaWork"]
 
 #: builds the runtime of a backend made without one (tests replace it with a fake)
-runtime_factory: Callable[[], CudaRuntime] = CudaRuntime.from_cupy
 
 
 class NCCLBackend(NCCLBase):
@@ -54,7 +53,7 @@ class NCCLBackend(NCCLBase):
         timeout_s: the group's timeout in seconds.
         group_name: the group's name, for messages.
         global_ranks: the members' world ranks (timeout diagnoses).
-        runtime: the CUDA/NCCL adapter; None builds one with ``runtime_factory`` (over cupy).
+        runtime: the CUDA/NCCL adapter; None builds one with ``world.cuda_runtime_factory`` (default: over cupy).
         device: the GPU to use; None chooses one (:func:`~mpidist.backends._cuda.choose_device`).
         high_priority: create the communication stream with the greatest priority
             (torch's ``ProcessGroupNCCL.Options.is_high_priority_stream``).
@@ -76,7 +75,7 @@ class NCCLBackend(NCCLBase):
         device: int | None = None,
         high_priority: bool = False,
     ) -> None:
-        rt = runtime if runtime is not None else runtime_factory()
+        rt = runtime if runtime is not None else (world.cuda_runtime_factory or CudaRuntime.from_cupy)()
         super().__init__(comm, timeout_s, rt, group_name, global_ranks, device, high_priority)
 
     # -- reductions ----------------------------------------------------------------------
