@@ -25,12 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 
 from ._standin import HostCudaArray
 
-__all__ = ["vote", "init_default_group", "HostCudaArray"]
+__all__ = ["vote", "init_default_group", "calls_issued", "HostCudaArray"]
 
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
 VOTE_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_VOTE_TIMEOUT", "240"))
@@ -48,6 +49,21 @@ class _Voter:
 
             cls.comm = start_mpi().COMM_WORLD.Dup()
         return cls.comm
+
+
+def calls_issued(group: Any = None) -> int:
+    """How many collectives ``group`` (default: the world) has issued on this rank.
+
+    Its next call is "call #N+1" in timeout and DETAIL messages. Test support:
+    tests check with it that a refused call sent nothing and that ranks stayed in
+    step, without reaching into the backends.
+    """
+    from .process_group import resolve_group
+
+    pg = resolve_group(group, "calls_issued")
+    if pg is None:
+        raise ValueError("calls_issued: this rank is not a member of the group")
+    return int(pg.impl.seq)
 
 
 def vote(failed: bool) -> list[int]:

@@ -4,7 +4,7 @@ Every rank builds its input from its rank (``helpers.rank_input``), so every ran
 can compute what every other rank sent and check the whole result. The array
 tests run on numpy arrays and on torch CPU tensors (the ``make`` fixture of
 conftest.py) and check that the result is of the kind and dtype given. Collectives
-are counted with the group's sequence number (``pg.impl.seq``, which every
+are counted with the group's sequence number (``mpidist.testing.calls_issued(pg)``, which every
 collective on the group advances by one), so the tests also pin down how many
 rounds each utility costs. Tests that need the default group gone use
 ``no_group``; the harness re-creates the session's group afterwards.
@@ -25,6 +25,7 @@ from mpi4py import MPI
 import mpidist as dist
 import mpidist.utils as utils
 from mpidist.reduce_op import OP_TABLE
+from mpidist.testing import calls_issued
 
 from helpers import (
     ALL_DTYPES,
@@ -97,7 +98,7 @@ def torch():
 def seq(group=None) -> int:
     """Collectives issued so far on ``group`` (default: the world)."""
     pg = dist.group.WORLD if group is None else group
-    return pg.impl.seq
+    return calls_issued(pg)
 
 
 def even_group():
