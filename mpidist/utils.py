@@ -41,6 +41,7 @@ from ._arrays import DTYPES, as_array
 from ._validate import int_arg
 from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
+from .launch.environment import free_port
 from .process_group import ProcessGroup, resolve_group
 from .reduce_op import RedOpType, ReduceOp, check_op
 
@@ -622,7 +623,7 @@ class MPIEnvironment:
             proposal: tuple[int | None, str | None] = (None, None)
             if me == 0:
                 try:
-                    proposal = (_free_port(), None)
+                    proposal = (free_port(), None)
                 except OSError as exc:
                     proposal = (None, f"rank 0 could not find a free TCP port: {exc}")
             everyone = comm.allgather((socket.gethostname(), proposal))
@@ -640,10 +641,3 @@ class MPIEnvironment:
 
     def __repr__(self) -> str:
         return f"MPIEnvironment(global_rank={self.global_rank()}, world_size={self.world_size()})"
-
-
-def _free_port() -> int:
-    """Return a TCP port that was free a moment ago (bind to port 0 and ask)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

@@ -7,7 +7,6 @@ import importlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist._standin import HostCudaArray
+from mpidist.launch.environment import free_port  # noqa: F401 - re-exported for the tests
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -370,13 +370,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in TORCHRUN_VARIABLES}
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_plain_world(script: str, envs: list[dict[str, str]], args: list[list[str]], tmp_path: Any,

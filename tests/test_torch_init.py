@@ -17,6 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist._boot import launched_by_mpi
+from mpidist.launch.environment import fill_environment
 
 from helpers import clean_env, fail_together, free_port, run_plain_world
 
@@ -75,14 +76,23 @@ def test_nothing_set_under_mpiexec(fresh):
 
 @under_launcher
 def test_the_variables_the_user_set_are_kept(fresh, monkeypatch):
-    port = MPI.COMM_WORLD.bcast(free_port() if RANK == 0 else None, root=0)
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("LOCAL_RANK", "7")
-    tdist.init_process_group("mpidist")
-    problems = _sum_check("user's MASTER_PORT")
-    if os.environ["MASTER_PORT"] != str(port) or os.environ["LOCAL_RANK"] != "7":
-        problems.append(f"overrode the user's values: {os.environ['MASTER_PORT']} {os.environ['LOCAL_RANK']}")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    tdist.init_process_group("mpidist", timeout=timedelta(seconds=60))  # a failure must not wait torch's 30 min
+    problems = _sum_check("user's variables")
+    if os.environ["LOCAL_RANK"] != "7" or os.environ["MASTER_ADDR"] != "127.0.0.1":
+        problems.append(f"overrode the user's values: {os.environ['LOCAL_RANK']} {os.environ['MASTER_ADDR']}")
+    if os.environ.get("RANK") != str(RANK):  # what the user left unset was filled
+        problems.append(f"RANK {os.environ.get('RANK')}")
     fail_together(problems)
+
+
+def test_fill_environment_never_overrides():
+    environ = {"MASTER_PORT": "1234", "LOCAL_RANK": " 5 ", "RANK": ""}
+    values = {"MASTER_PORT": "999", "LOCAL_RANK": "0", "RANK": "3", "WORLD_SIZE": "4"}
+    added = fill_environment(values, environ)
+    assert added == {"RANK": "3", "WORLD_SIZE": "4"}  # an empty value counts as unset
+    assert environ == {"MASTER_PORT": "1234", "LOCAL_RANK": " 5 ", "RANK": "3", "WORLD_SIZE": "4"}
 
 
 def test_tcp_file_and_store_init_then_init_again(fresh, tmp_path):

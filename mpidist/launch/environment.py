@@ -17,7 +17,9 @@ Example (``mpiexec -n 2``)::
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import socket
 from typing import Any, Mapping
 
@@ -79,10 +81,47 @@ def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, 
 
 
 def free_port() -> int:
-    """Return a TCP port that was free a moment ago (bind to port 0 and ask)."""
+    """Return a TCP port free on every interface a moment ago, from below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` lies in the ephemeral range, where
+    any outgoing connection (MPI's own sockets among them) may take it before the
+    store that was promised it binds; a port below that range is never taken that
+    way. Falls back to ``bind(0)`` if no such port is free.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()  # never the program's seeded generator
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        if 2048 < low <= high:
+            return low, high
+    except (OSError, ValueError):
+        pass
+    return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """True if ``port`` can be bound for listening on IPv4 (and IPv6 where the host has it)."""
+    families = [(socket.AF_INET, "")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue  # no IPv6 here
+            return False
+    return True
 
 
 def torchrun_environment(comm: Any = None) -> dict[str, str]:
