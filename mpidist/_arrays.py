@@ -416,6 +416,39 @@ def prepare_output_list(
     return bufs, backs
 
 
+def _torch_of(x: Any) -> Any:
+    """Return the torch module if ``x`` is a torch tensor, else None (never imports torch)."""
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def array_or_tensor_arg(x: Any, fn: str, arg: str) -> tuple[np.ndarray, Any]:
+    """Validate ``x`` as a numpy array or CPU torch tensor of a dtype mpidist sends.
+
+    Returns ``(view, torch)``: a zero-copy numpy view of ``x`` (``x`` itself for
+    numpy; read and written without autograd for a tensor) and the torch module
+    for a tensor, None for a numpy array. Raises _arrays' TypeError or ValueError.
+    """
+    view = as_array(x, fn, arg)
+    torch = _torch_of(x)
+    if torch is None and not isinstance(x, np.ndarray):  # a kind _arrays takes but the utilities cannot return
+        raise TypeError(
+            f"{fn}: {arg} must be a numpy.ndarray or a CPU torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}"
+        )
+    return view, torch
+
+
+def new_like(x: Any, view: np.ndarray, torch: Any, shape: tuple[int, ...], fn: str) -> tuple[Any, np.ndarray]:
+    """Return a new uninitialized array of ``x``'s kind and dtype, and a numpy view of it."""
+    if torch is None:
+        out = np.empty(shape, view.dtype)
+        return out, out
+    out = torch.empty(shape, dtype=x.dtype)
+    return out, as_array(out, fn, "output")
+
+
 def displacements(counts: Sequence[int]) -> list[int]:
     """Where each of consecutive blocks of ``counts`` starts: ``[0, c0, c0 + c1, ...]`` (one per count)."""
     out, total = [], 0

@@ -17,10 +17,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "mpidist.autograd needs torch (pip install 'mpidist[torch]'); the rest of mpidist works without it"
     ) from exc
 
+from ._arrays import array_or_tensor_arg
 from .collectives import all_gather_into_tensor, all_reduce
 from .process_group import ProcessGroup, resolve_group
 from .reduce_op import ReduceOp
-from .utils import _array_arg
 
 __all__ = ["AllGatherGrad"]
 
@@ -75,7 +75,7 @@ class AllGatherGrad(torch.autograd.Function):
                 f"{fn}: tensor must be a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__qualname__}; "
                 "use mpidist.all_gather_ddp_if_available for numpy arrays"
             )
-        view, _ = _array_arg(tensor, fn, "tensor")
+        view, _ = array_or_tensor_arg(tensor, fn, "tensor")
         pg = resolve_group(group, fn)
         if pg is None:  # not a member of group: like the collectives, do nothing
             return None

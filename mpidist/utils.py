@@ -32,12 +32,11 @@ import logging
 import operator
 import os
 import socket
-import sys
 from typing import Any
 
 import numpy as np
 
-from ._arrays import DTYPES, as_array
+from ._arrays import DTYPES, array_or_tensor_arg, new_like
 from ._validate import int_arg
 from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
@@ -85,39 +84,6 @@ def __getattr__(name: str) -> Any:
 
         return AllGatherGrad
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _torch_of(x: Any) -> Any:
-    """Return the torch module if ``x`` is a torch tensor, else None (never imports torch)."""
-    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
-    if torch is not None and isinstance(x, torch.Tensor):
-        return torch
-    return None
-
-
-def _array_arg(x: Any, fn: str, arg: str) -> tuple[np.ndarray, Any]:
-    """Validate ``x`` as a numpy array or CPU torch tensor of a dtype mpidist sends.
-
-    Returns ``(view, torch)``: a zero-copy numpy view of ``x`` (``x`` itself for
-    numpy; read and written without autograd for a tensor) and the torch module
-    for a tensor, None for a numpy array. Raises _arrays' TypeError or ValueError.
-    """
-    view = as_array(x, fn, arg)
-    torch = _torch_of(x)
-    if torch is None and not isinstance(x, np.ndarray):  # a kind _arrays takes but the utilities cannot return
-        raise TypeError(
-            f"{fn}: {arg} must be a numpy.ndarray or a CPU torch.Tensor, got {type(x).__module__}.{type(x).__qualname__}"
-        )
-    return view, torch
-
-
-def _new_like(x: Any, view: np.ndarray, torch: Any, shape: tuple[int, ...], fn: str) -> tuple[Any, np.ndarray]:
-    """Return a new uninitialized array of ``x``'s kind and dtype, and a numpy view of it."""
-    if torch is None:
-        out = np.empty(shape, view.dtype)
-        return out, out
-    out = torch.empty(shape, dtype=x.dtype)
-    return out, as_array(out, fn, "output")
 
 
 def distributed_available() -> bool:
@@ -177,7 +143,7 @@ def all_gather_ddp_if_available(tensor: Any, group: ProcessGroup | None = None, 
         >>> x.grad                                # tensor([2., 2.]) on rank 0, tensor([20., 20.]) on rank 1
     """
     fn = "all_gather_ddp_if_available"
-    view, torch = _array_arg(tensor, fn, "tensor")
+    view, torch = array_or_tensor_arg(tensor, fn, "tensor")
     if not isinstance(sync_grads, (bool, np.bool_)):
         raise TypeError(f"{fn}: sync_grads must be a bool, got {type(sync_grads).__name__}")
     if sync_grads and torch is None:
@@ -197,7 +163,7 @@ def all_gather_ddp_if_available(tensor: Any, group: ProcessGroup | None = None, 
         from .autograd import AllGatherGrad
 
         return AllGatherGrad.apply(tensor, pg)
-    out, out_view = _new_like(tensor, view, torch, (pg.size(), *view.shape), fn)
+    out, out_view = new_like(tensor, view, torch, (pg.size(), *view.shape), fn)
     all_gather_into_tensor(out_view, view, group=pg)
     return out
 
@@ -237,7 +203,7 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[A
         >>> parts                                  # [tensor([0]), tensor([0, 1])] on both ranks
     """
     fn = "gather_all_tensors"
-    arr, torch = _array_arg(result, fn, "result")
+    arr, torch = array_or_tensor_arg(result, fn, "result")
     pg = resolve_group(group, fn)
     if pg is None:  # not a member of group: like the collectives, do nothing
         return None
@@ -260,7 +226,7 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[A
     shapes = [tuple(row) for row in headers[:, 2 : 2 + arr.ndim].tolist()]
     max_shape = tuple(headers[:, 2 : 2 + arr.ndim].max(axis=0).tolist())
 
-    out, out_view = _new_like(result, arr, torch, (n, *max_shape), fn)
+    out, out_view = new_like(result, arr, torch, (n, *max_shape), fn)
     if out_view.size:  # else every array is empty: nothing to send
         if arr.shape == max_shape:
             padded = arr
@@ -284,7 +250,7 @@ def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[Any, np.ndarray, A
     """
     if isinstance(result, (bool, int, float, complex, np.generic)):
         result = np.array(result)  # a number: reduced in a new 0-d array
-    arr, torch = _array_arg(result, fn, "result")
+    arr, torch = array_or_tensor_arg(result, fn, "result")
     kind = DTYPES[arr.dtype].kind
     divide = False
     if reduce_op is None:
