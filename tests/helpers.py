@@ -130,6 +130,45 @@ def fail_together(problems: list[str]) -> None:
     assert not bad, f"problems by rank: {bad}"
 
 
+class Checks:
+    """The failed checks of one test, collected; ``done()`` fails on every rank together if any rank has one.
+
+    Every rank must reach ``done()`` (it is a collective); loops over roots and
+    cases collect here instead of asserting, so that no rank runs ahead into a
+    collective its peers will not join.
+    """
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def equal(self, what: str, got: Any, expected: Any) -> None:
+        """Exact equality: arrays of any kind against a numpy array or scalar (dtype and shape included), or values."""
+        if not isinstance(expected, (np.ndarray, np.generic)):
+            if got != expected:
+                self.failures.append(f"{what}: got {got!r}, expected {expected!r}")
+            return
+        try:
+            assert_equal(got, expected)
+        except AssertionError as exc:
+            self.failures.append(f"{what}: {exc}")
+
+    def true(self, what: str, cond: bool) -> None:
+        if not cond:
+            self.failures.append(what)
+
+    def raises(self, exc: type[BaseException], match: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        self.failures.extend(check_raises(exc, match, fn, *args, **kwargs))
+
+    def identical(self, what: str, a: Any) -> None:
+        """Record whether ``a`` is bitwise identical on every rank (a collective on COMM_WORLD)."""
+        blobs = gather_all(a)
+        if not all(b == blobs[0] for b in blobs):
+            self.failures.append(f"{what}: result differs between ranks")
+
+    def done(self) -> None:
+        fail_together(self.failures)
+
+
 def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
     """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
     name = getattr(fn, "__name__", repr(fn))

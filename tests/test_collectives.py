@@ -29,10 +29,10 @@ from helpers import (
     ARRAY_KINDS,
     BF16,
     FAMILIES,
+    Checks,
     Maker,
     assert_equal,
     assert_identical_on_all_ranks,
-    gather_all,
     kind,
     rank_input,
     reference,
@@ -47,32 +47,6 @@ SHAPE = (2, 3)
 # ---------------------------------------------------------------------------------------
 # small helpers (local to this file)
 # ---------------------------------------------------------------------------------------
-
-
-class Checks:
-    """Collects failed comparisons; ``done()`` fails with all of them at the end of a test."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-
-    def equal(self, what: str, got: Any, expected: np.ndarray) -> None:
-        try:
-            assert_equal(got, expected)
-        except AssertionError as exc:
-            self.failures.append(f"{what}: {exc}")
-
-    def true(self, what: str, cond: bool) -> None:
-        if not cond:
-            self.failures.append(what)
-
-    def identical(self, what: str, a: Any) -> None:
-        """Record whether ``a`` is bitwise identical on every rank (a collective on COMM_WORLD)."""
-        blobs = gather_all(a)
-        if not all(b == blobs[0] for b in blobs):
-            self.failures.append(f"{what}: result differs between ranks")
-
-    def done(self) -> None:
-        assert not self.failures, "\n".join(self.failures)
 
 
 @pytest.fixture
@@ -1334,7 +1308,7 @@ ASYNC = {
 def test_async_op_returns_work(coll, make, rank, world_size, checks):
     work, outputs, check = ASYNC[coll](make, rank, world_size, checks)
     checks.true(f"expected a Work, got {type(work).__name__}", isinstance(work, dist.Work))
-    if not isinstance(work, dist.Work):
+    if not all(MPI.COMM_WORLD.allgather(isinstance(work, dist.Work))):  # stop together
         checks.done()
     checks.true("wait() should return True", work.wait() is True)
     checks.true("is_completed() after wait()", work.is_completed())

@@ -34,9 +34,8 @@ from mpidist.testing import HostCudaArray
 from helpers import (
     ALL_DTYPES,
     BF16,
+    Checks,
     assert_equal,
-    check_raises,
-    fail_together,
     filled,
     kind,
     rank_input,
@@ -52,33 +51,6 @@ NEW, OLD = 21903, 2804  # NCCL 2.19.3 (ncclAvg, bfloat16) and 2.8.4 (neither)
 VERSIONS = pytest.mark.parametrize("version", [NEW, OLD], ids=["nccl2.19", "nccl2.8"])
 I16 = (np.dtype(np.int16), np.dtype(np.uint16))
 SOME = [np.dtype(t) for t in (np.bool_, np.int8, np.uint16, np.int64, np.float16, np.float32, np.complex128)] + [BF16]
-
-
-class Checks:
-    """Collects failed comparisons; ``done()`` fails on every rank if any rank has one."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-
-    def equal(self, what: str, got: Any, expected: Any) -> None:
-        if not isinstance(expected, np.ndarray):
-            if got != expected:
-                self.failures.append(f"{what}: got {got!r}, expected {expected!r}")
-            return
-        try:
-            assert_equal(got, expected)
-        except AssertionError as exc:
-            self.failures.append(f"{what}: {exc}")
-
-    def true(self, what: str, cond: bool) -> None:
-        if not cond:
-            self.failures.append(what)
-
-    def raises(self, exc: type[BaseException], match: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        self.failures.extend(check_raises(exc, match, fn, *args, **kwargs))
-
-    def done(self) -> None:
-        fail_together(self.failures)
 
 
 @pytest.fixture
