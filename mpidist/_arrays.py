@@ -176,7 +176,7 @@ def host_view(x: Any) -> Any:
     """
     if type(x) is ndarray:
         return x
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # _torch_of, inlined: the fast lanes call this on every collective
     if torch is not None and isinstance(x, torch.Tensor):
         # torch.distributed acts on the data of a tensor that requires grad
         if x.is_cpu and x.layout is torch.strided and not (x.is_conj() or x.is_neg() or x.is_nested):
@@ -236,8 +236,8 @@ def _adapt(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
                 "pass arr.filled(value) or arr.data explicitly"
             )
         return x
-    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
-    if torch is not None and isinstance(x, torch.Tensor):
+    torch = _torch_of(x)
+    if torch is not None:
         return _torch_array(x, torch, fn, arg)
     if type(x) is DeviceArray:
         return x

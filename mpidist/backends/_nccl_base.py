@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .._arrays import DTYPES, overlapping_pair
+from .._arrays import DTYPES
 from .._device import DeviceArray
 from .._validate import env_flag
 from .._world import world
@@ -99,7 +99,11 @@ class _Plan(NamedTuple):
 
 
 def _overlap(a: DeviceArray, b: DeviceArray) -> bool:
-    return overlapping_pair([(x.device, x.ptr, x.ptr + x.nbytes, i) for i, x in enumerate((a, b))]) is not None
+    """Two non-empty arrays share device memory (the pairwise form of ``_arrays.overlapping_pair``, kept
+    direct: backends test it per pair of arguments on every call)."""
+    return (
+        a.device == b.device and a.nbytes > 0 and b.nbytes > 0 and a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+    )
 
 
 def _same_memory(a: DeviceArray, b: DeviceArray) -> bool:
