@@ -50,7 +50,7 @@ def time_block(fn: Callable[[], Any], iters: int, comm: MPI.Comm) -> float:
 
 def end_to_end(comm: MPI.Comm, trials: int, iters: int) -> dict[str, float]:
     n, rank = comm.Get_size(), comm.Get_rank()
-    impl = world.default_pg.impl
+    pg = world.default_pg
     a = np.ones(2, np.float32)
     t = torch.ones(2)
     g = torch.ones(2, requires_grad=True)
@@ -63,16 +63,16 @@ def end_to_end(comm: MPI.Comm, trials: int, iters: int) -> dict[str, float]:
     calls = {
         "all_reduce numpy": lambda: dist.all_reduce(a),
         "all_reduce torch": lambda: dist.all_reduce(t),
-        "all_reduce bound: fast lane on a view made once": lambda: impl.fast_all_reduce(v, SUM, False),
+        "all_reduce bound: the group's call on a view made once": lambda: pg.all_reduce(v, None, SUM, False),
         "all_reduce torch requires_grad": lambda: dist.all_reduce(g),
         "all_reduce torch bfloat16": lambda: dist.all_reduce(h),
         "broadcast numpy": lambda: dist.broadcast(a, 0),
         "broadcast torch": lambda: dist.broadcast(t, 0),
-        "broadcast bound: fast lane on a view made once": lambda: impl.fast_broadcast(v, 0, False),
+        "broadcast bound: the group's call on a view made once": lambda: pg.broadcast(v, None, 0, False),
         "broadcast torch requires_grad": lambda: dist.broadcast(g, 0),
         "all_gather_into_tensor numpy": lambda: dist.all_gather_into_tensor(gao, ga),
         "all_gather_into_tensor torch": lambda: dist.all_gather_into_tensor(gto, gt),
-        "all_gather_into_tensor bound: views made once": lambda: impl.fast_all_gather_into_tensor(gvo, gv, False),
+        "all_gather_into_tensor bound: views made once": lambda: pg.all_gather_into_tensor(gvo, None, gv, False),
         "all_gather_into_tensor torch requires_grad": lambda: dist.all_gather_into_tensor(ggo, gg),
     }
     with torch.no_grad():  # tensors that numpy() refuses still get correct results

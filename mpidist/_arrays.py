@@ -168,15 +168,15 @@ def _cpu_tensor_view(t: Any, dtype: np.dtype) -> ndarray:
 
 
 def host_view(x: Any) -> Any:
-    """Return a plain CPU tensor's numpy view (for the backends' fast lanes), anything else unchanged.
+    """Return a plain CPU tensor's numpy view (for the readiness check of ``prepare_*``), anything else unchanged.
 
     Costs about 1 us on a tensor (``Tensor.numpy()`` would cost 0.5 us but pins
     the storage's size, see :class:`_TensorMemory`); the checks and messages for
-    every other case stay in :func:`_torch_array`, where the general lane sends it.
+    every other case stay in :func:`_torch_array`, where :func:`_adapt` sends it.
     """
     if type(x) is ndarray:
         return x
-    torch = sys.modules.get("torch")  # _torch_of, inlined: the fast lanes call this on every collective
+    torch = sys.modules.get("torch")  # _torch_of, inlined: every call runs this
     if torch is not None and isinstance(x, torch.Tensor):
         # torch.distributed acts on the data of a tensor that requires grad
         if x.is_cpu and x.layout is torch.strided and not (x.is_conj() or x.is_neg() or x.is_nested):
@@ -310,7 +310,13 @@ def _device_copy(a: DeviceArray, keep_data: bool) -> DeviceArray:
 
 
 def prepare_input(x: Any, fn: str, arg: str) -> Buffer:
-    """Return a C-contiguous array (numpy, or DeviceArray for GPU memory) with ``x``'s data, for reading only."""
+    """Return a C-contiguous array (numpy, or DeviceArray for GPU memory) with ``x``'s data, for reading only.
+
+    The first test is the readiness check of every call: a C-contiguous numpy
+    array (or a plain CPU tensor's view) of a supported dtype goes to MPI as it is.
+    """
+    if type(x) is not ndarray:
+        x = host_view(x)
     if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
         return x
     a = _adapt(x, fn, arg)
@@ -331,12 +337,41 @@ def prepare_inout(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
     ``target`` is None when the buffer is ``x`` itself, else the array to copy
     the result into with :func:`write_back` once the operation completes.
     """
+    if type(x) is not ndarray:
+        x = host_view(x)
+    if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
+        f = x.flags
+        if f.c_contiguous and f.writeable:
+            return x, None
     return _prepare_writable(x, fn, arg, keep_data=True)
 
 
 def prepare_output(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
     """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
+    if type(x) is not ndarray:
+        x = host_view(x)
+    if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
+        f = x.flags
+        if f.c_contiguous and f.writeable:
+            return x, None
     return _prepare_writable(x, fn, arg, keep_data=False)
+
+
+def prepare_pair(out: Any, inp: Any, fn: str, out_arg: str, in_arg: str) -> tuple[Buffer, Buffer | None, Buffer]:
+    """``prepare_output(out)`` and ``prepare_input(inp)`` in one step: ``(out buffer, target, in buffer)``.
+
+    For the collectives with one output and one input (all_gather_into_tensor,
+    reduce_scatter_tensor, all_to_all_single): the readiness check of both arrays
+    at the cost of one call.
+    """
+    if type(out) is ndarray and type(inp) is ndarray:
+        dtype = out.dtype
+        if dtype in DTYPES and (inp.dtype is dtype or inp.dtype in DTYPES):
+            f = out.flags
+            if f.c_contiguous and f.writeable and inp.flags.c_contiguous:
+                return out, None, inp
+    buf, target = prepare_output(out, fn, out_arg)
+    return buf, target, prepare_input(inp, fn, in_arg)
 
 
 def _check_distinct(strides: Sequence[int], shape: Sequence[int], fn: str, arg: str) -> None:
@@ -349,10 +384,7 @@ def _check_distinct(strides: Sequence[int], shape: Sequence[int], fn: str, arg: 
 
 
 def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[Buffer, Buffer | None]:
-    if type(x) is ndarray and x.dtype in DTYPES:
-        f = x.flags
-        if f.c_contiguous and f.writeable:
-            return x, None
+    """The rest of :func:`prepare_inout`/:func:`prepare_output`, for an ``x`` the readiness check did not take."""
     a = _adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
     if type(a) is DeviceArray:
@@ -490,6 +522,8 @@ def may_overlap(a: ndarray, b: ndarray) -> bool:
     """
     oa = a.base
     ob = b.base
+    if oa is None and ob is None:
+        return a is b  # each owns its memory (the common case: decided without numpy)
     if oa is None:
         oa = a
     if ob is None:

@@ -17,17 +17,17 @@ import numpy as np
 from ._arrays import (
     DTYPES,
     as_host_array,
-    host_view,
     prepare_inout,
     prepare_input,
     prepare_input_list,
     prepare_output,
     prepare_output_list,
+    prepare_pair,
 )
 from ._validate import timeout_seconds
 from ._world import world
 from .errors import RankNotInGroupError
-from .process_group import ProcessGroup, absent, backend_for, rank_int, resolve_group
+from .process_group import ProcessGroup, absent, rank_int, resolve_group
 from .reduce_op import ReduceOp, check_op
 from .work import Work
 
@@ -57,7 +57,7 @@ def root_rank(
     pg: ProcessGroup, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
 ) -> int:
     """Return the group rank named by a global rank or a group rank (exactly one of them)."""
-    if group_rank is None and type(global_rank) is int and pg._identity and 0 <= global_rank < pg.impl.size:
+    if group_rank is None and type(global_rank) is int and pg._identity and 0 <= global_rank < pg._size:
         return global_rank  # the world group: global ranks are group ranks
     if group_rank is not None:
         if global_rank is not None:
@@ -113,19 +113,15 @@ def broadcast(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
-    if group_src is None and type(src) is int and pg._identity and 0 <= src < impl.size:
+    if group_src is None and type(src) is int and pg._identity and 0 <= src < pg._size:
         root = src  # root_rank's fast path, written out: broadcast is latency-critical
     else:
         root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    w = impl.fast_broadcast(tensor if type(tensor) is np.ndarray else host_view(tensor), root, async_op)
-    if w is NotImplemented:
-        if impl.rank == root:
-            buf, backs = prepare_input(tensor, fn, "tensor"), None
-        else:
-            buf, target = prepare_output(tensor, fn, "tensor")
-            backs = None if target is None else [(buf, target)]
-        w = backend_for(pg, fn, buf).broadcast(buf, backs, root, async_op)
+    if pg._rank == root:
+        buf, target = prepare_input(tensor, fn, "tensor"), None
+    else:
+        buf, target = prepare_output(tensor, fn, "tensor")
+    w = pg.broadcast(buf, None if target is None else [(buf, target)], root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -142,13 +138,8 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     pg = world.default_pg if group is None else resolve_group(group, "all_reduce")
     if pg is None:
         return absent(group, "all_reduce")
-    impl = pg.impl
-    w = impl.fast_all_reduce(tensor if type(tensor) is np.ndarray else host_view(tensor), op, async_op)
-    if w is NotImplemented:
-        buf, target = prepare_inout(tensor, "all_reduce", "tensor")
-        w = backend_for(pg, "all_reduce", buf).all_reduce(
-            buf, None if target is None else [(buf, target)], op, async_op
-        )
+    buf, target = prepare_inout(tensor, "all_reduce", "tensor")
+    w = pg.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -171,13 +162,11 @@ def reduce(
     if pg is None:
         return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
-    impl = pg.impl
-    if impl.rank == root:
+    if pg._rank == root:
         buf, target = prepare_inout(tensor, fn, "tensor")
-        backs = None if target is None else [(buf, target)]
     else:
-        buf, backs = prepare_input(tensor, fn, "tensor"), None
-    w = backend_for(pg, fn, buf).reduce(buf, backs, op, root, async_op)
+        buf, target = prepare_input(tensor, fn, "tensor"), None
+    w = pg.reduce(buf, None if target is None else [(buf, target)], op, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -195,12 +184,11 @@ def all_gather(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
     inp = prepare_input(tensor, fn, "tensor")
-    outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", impl.size)
+    outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", pg._size)
     _same_dtype(fn, inp, "tensor", outs, "tensor_list")
-    _check_own_size(fn, outs[impl.rank], "tensor_list", impl.rank, inp, "tensor")
-    w = backend_for(pg, fn, inp, outs).all_gather(outs, backs or None, inp, async_op)
+    _check_own_size(fn, outs[pg._rank], "tensor_list", pg._rank, inp, "tensor")
+    w = pg.all_gather(outs, backs or None, inp, async_op)
     if w is not None:
         w._outputs = [tensor_list]
     return w
@@ -224,24 +212,16 @@ def all_gather_into_tensor(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
-    w = impl.fast_all_gather_into_tensor(
-        output_tensor if type(output_tensor) is np.ndarray else host_view(output_tensor),
-        input_tensor if type(input_tensor) is np.ndarray else host_view(input_tensor),
-        async_op,
-    )
-    if w is NotImplemented:
-        out, target = prepare_output(output_tensor, fn, "output_tensor")
-        inp = prepare_input(input_tensor, fn, "input_tensor")
+    out, target, inp = prepare_pair(output_tensor, input_tensor, fn, "output_tensor", "input_tensor")
+    n = pg._size
+    if out.dtype is not inp.dtype:
         _check_dtype(fn, out, "output_tensor", inp, "input_tensor")
-        if out.size != impl.size * inp.size:
-            raise ValueError(
-                f"{fn}: output_tensor has {out.size} elements but must have world_size * "
-                f"input_tensor.size = {impl.size} * {inp.size} = {impl.size * inp.size}"
-            )
-        w = backend_for(pg, fn, out, inp).all_gather_into_tensor(
-            out, None if target is None else [(out, target)], inp, async_op
+    if out.size != n * inp.size:
+        raise ValueError(
+            f"{fn}: output_tensor has {out.size} elements but must have world_size * "
+            f"input_tensor.size = {n} * {inp.size} = {n * inp.size}"
         )
+    w = pg.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
     if w is not None:
         w._outputs = [output_tensor]
     return w
@@ -267,21 +247,20 @@ def gather(
     if pg is None:
         return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
-    impl = pg.impl
     inp = prepare_input(tensor, fn, "tensor")
-    if impl.rank == root:
+    if pg._rank == root:
         if gather_list is None:
             raise ValueError(f"{fn}: gather_list must be given on the destination rank")
-        outs, backs = prepare_output_list(gather_list, fn, "gather_list", impl.size)
+        outs, backs = prepare_output_list(gather_list, fn, "gather_list", pg._size)
         _same_dtype(fn, inp, "tensor", outs, "gather_list")
         _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
-        w = backend_for(pg, fn, inp, outs).gather(inp, outs, backs or None, root, async_op)
+        w = pg.gather(inp, outs, backs or None, root, async_op)
     else:
         if gather_list:
             raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
-        w = backend_for(pg, fn, inp).gather(inp, None, None, root, async_op)
+        w = pg.gather(inp, None, None, root, async_op)
     if w is not None:
-        w._outputs = [gather_list] if impl.rank == root else []
+        w._outputs = [gather_list] if pg._rank == root else []
     return w
 
 
@@ -302,20 +281,19 @@ def scatter(
     if pg is None:
         return absent(group, fn)
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
-    impl = pg.impl
     out, target = prepare_output(tensor, fn, "tensor")
     backs = None if target is None else [(out, target)]
-    if impl.rank == root:
+    if pg._rank == root:
         if not scatter_list:
             raise ValueError(f"{fn}: scatter_list must be given on the source rank")
-        ins = prepare_input_list(scatter_list, fn, "scatter_list", impl.size)
+        ins = prepare_input_list(scatter_list, fn, "scatter_list", pg._size)
         _same_dtype(fn, out, "tensor", ins, "scatter_list")
         _check_own_size(fn, ins[root], "scatter_list", root, out, "tensor")
     else:
         if scatter_list:
             raise ValueError(f"{fn}: scatter_list must be None (or empty) on non-source ranks")
         ins = None
-    w = backend_for(pg, fn, out, ins).scatter(out, backs, ins, root, async_op)
+    w = pg.scatter(out, backs, ins, root, async_op)
     if w is not None:
         w._outputs = [tensor]
     return w
@@ -329,14 +307,11 @@ def reduce_scatter(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
     out, target = prepare_output(output, fn, "output")
-    ins = prepare_input_list(input_list, fn, "input_list", impl.size)
+    ins = prepare_input_list(input_list, fn, "input_list", pg._size)
     _same_dtype(fn, out, "output", ins, "input_list")
-    _check_own_size(fn, ins[impl.rank], "input_list", impl.rank, out, "output")
-    w = backend_for(pg, fn, out, ins).reduce_scatter(
-        out, None if target is None else [(out, target)], ins, op, async_op
-    )
+    _check_own_size(fn, ins[pg._rank], "input_list", pg._rank, out, "output")
+    w = pg.reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
     if w is not None:
         w._outputs = [output]
     return w
@@ -358,25 +333,16 @@ def reduce_scatter_tensor(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
-    w = impl.fast_reduce_scatter_tensor(
-        output if type(output) is np.ndarray else host_view(output),
-        input if type(input) is np.ndarray else host_view(input),
-        op,
-        async_op,
-    )
-    if w is NotImplemented:
-        out, target = prepare_output(output, fn, "output")
-        inp = prepare_input(input, fn, "input")
+    out, target, inp = prepare_pair(output, input, fn, "output", "input")
+    n = pg._size
+    if out.dtype is not inp.dtype:
         _check_dtype(fn, out, "output", inp, "input")
-        if inp.size != impl.size * out.size:
-            raise ValueError(
-                f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
-                f"{impl.size} * {out.size} = {impl.size * out.size}"
-            )
-        w = backend_for(pg, fn, out, inp).reduce_scatter_tensor(
-            out, None if target is None else [(out, target)], inp, op, async_op
+    if inp.size != n * out.size:
+        raise ValueError(
+            f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
+            f"{n} * {out.size} = {n * out.size}"
         )
+    w = pg.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
     if w is not None:
         w._outputs = [output]
     return w
@@ -405,6 +371,30 @@ def _split_counts(
     return [s * row_elems for s in sizes]
 
 
+def _all_to_all_counts(
+    fn: str, out: Any, inp: Any, output_split_sizes: Any, input_split_sizes: Any, n: int
+) -> tuple[list[int] | None, list[int] | None]:
+    """Check all_to_all_single's arrays and split sizes; return the element counts (None: even splits)."""
+    _check_dtype(fn, out, "output", inp, "input")
+    if out.ndim == 0 or inp.ndim == 0:
+        raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
+    if out.shape[1:] != inp.shape[1:]:
+        raise ValueError(f"{fn}: rows of output {out.shape[1:]} and input {inp.shape[1:]} must have the same shape")
+    row = math.prod(inp.shape[1:])
+    in_counts = _split_counts(input_split_sizes, inp.shape[0], row, n, fn, "input_split_sizes", "input")
+    out_counts = _split_counts(output_split_sizes, out.shape[0], row, n, fn, "output_split_sizes", "output")
+    if in_counts is None and out_counts is None:
+        if out.shape[0] != inp.shape[0]:
+            raise ValueError(
+                f"{fn}: output has {out.shape[0]} rows but input has {inp.shape[0]}; with even splits they must match"
+            )
+        return None, None
+    return (
+        [inp.size // n] * n if in_counts is None else in_counts,
+        [out.size // n] * n if out_counts is None else out_counts,
+    )
+
+
 def all_to_all_single(
     output: Any,
     input: Any,
@@ -423,41 +413,15 @@ def all_to_all_single(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
-    if output_split_sizes is None and input_split_sizes is None:
-        w = impl.fast_all_to_all_single(
-            output if type(output) is np.ndarray else host_view(output),
-            input if type(input) is np.ndarray else host_view(input),
-            async_op,
-        )
-        if w is not NotImplemented:
-            if w is not None:
-                w._outputs = [output]
-            return w
-    n = impl.size
-    out, target = prepare_output(output, fn, "output")
-    inp = prepare_input(input, fn, "input")
-    _check_dtype(fn, out, "output", inp, "input")
-    if out.ndim == 0 or inp.ndim == 0:
-        raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
-    if out.shape[1:] != inp.shape[1:]:
-        raise ValueError(f"{fn}: rows of output {out.shape[1:]} and input {inp.shape[1:]} must have the same shape")
-    row = math.prod(inp.shape[1:])
-    in_counts = _split_counts(input_split_sizes, inp.shape[0], row, n, fn, "input_split_sizes", "input")
-    out_counts = _split_counts(output_split_sizes, out.shape[0], row, n, fn, "output_split_sizes", "output")
-    if in_counts is None and out_counts is None:
-        if out.shape[0] != inp.shape[0]:
-            raise ValueError(
-                f"{fn}: output has {out.shape[0]} rows but input has {inp.shape[0]}; with even splits they must match"
-            )
+    n = pg._size
+    out, target, inp = prepare_pair(output, input, fn, "output", "input")
+    shape = inp.shape
+    even = output_split_sizes is None and input_split_sizes is None
+    if even and out.dtype is inp.dtype and out.shape == shape and shape and not shape[0] % n:
+        in_counts = out_counts = None  # even splits of arrays of one shape and dtype: nothing more to check
     else:
-        if in_counts is None:
-            in_counts = [inp.size // n] * n
-        if out_counts is None:
-            out_counts = [out.size // n] * n
-    w = backend_for(pg, fn, out, inp).all_to_all_single(
-        out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op
-    )
+        in_counts, out_counts = _all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, n)
+    w = pg.all_to_all_single(out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op)
     if w is not None:
         w._outputs = [output]
     return w
@@ -477,18 +441,17 @@ def all_to_all(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    impl = pg.impl
-    outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", impl.size)
-    ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", impl.size)
+    outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", pg._size)
+    ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", pg._size)
     _same_dtype(fn, outs[0], "output_tensor_list[0]", outs, "output_tensor_list")
     _same_dtype(fn, outs[0], "output_tensor_list[0]", ins, "input_tensor_list")
-    me = impl.rank
+    me = pg._rank
     if outs[me].size != ins[me].size:
         raise ValueError(
             f"{fn}: output_tensor_list[{me}] has {outs[me].size} elements but input_tensor_list[{me}] "
             f"(sent to this rank itself) has {ins[me].size}; they must match"
         )
-    w = backend_for(pg, fn, outs, ins).all_to_all(outs, backs or None, ins, async_op)
+    w = pg.all_to_all(outs, backs or None, ins, async_op)
     if w is not None:
         w._outputs = [output_tensor_list]
     return w
@@ -509,9 +472,9 @@ def barrier(
     if device_ids is not None and not isinstance(device_ids, (list, tuple)):
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
     if async_op or timeout is None:
-        return pg.impl.barrier(async_op)
+        return pg.barrier(async_op)
     limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())  # checked before anything is posted
-    w = pg.impl.barrier(True)
+    w = pg.barrier(True)
     if w is not None:
         w.wait(limit)
     return None
@@ -557,7 +520,7 @@ def all_reduce_coalesced(
     for a in arrays:
         backs.append((packed[offset : offset + a.size], a))
         offset += a.size
-    w = pg.packing_backend().all_reduce(packed, backs + devices, op, async_op)
+    w = pg.all_reduce_packed(packed, backs + devices, op, async_op)
     if w is not None:
         w._outputs = list(tensors)
     return w
@@ -577,7 +540,7 @@ def all_gather_coalesced(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    n = pg.impl.size
+    n = pg._size
     devices: list[Any] = []
     ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False, devices=[])
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:
@@ -608,7 +571,7 @@ def all_gather_coalesced(
         for o in lst:
             backs.append((flat[offset : offset + o.size], o))
             offset += o.size
-    w = pg.packing_backend().all_gather_into_tensor(flat, backs + devices, packed, async_op)
+    w = pg.all_gather_packed(flat, backs + devices, packed, async_op)
     if w is not None:
         w._outputs = [output_tensor_lists]
     return w

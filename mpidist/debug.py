@@ -4,7 +4,7 @@
 ``TORCH_DISTRIBUTED_DEBUG``) sets the level at ``init_process_group``;
 ``set_debug_level`` changes it at run time for every group.
 
-* **OFF** (default): nothing is added; the fast lane runs.
+* **OFF** (default): nothing is added.
 * **INFO**: every call logs one line per rank on the ``mpidist`` logger (a stderr
   handler is attached if the logger has none): rank, operation, group, sequence
   number, dtype and shape, bytes and duration.
@@ -16,8 +16,9 @@
   ``rank 0: broadcast float64[4] src=0 / rank 1: all_reduce float64[4] op=SUM``,
   before any data moves, so the group is still usable afterwards.
 
-Both work by wrapping each group's backend (as torch's ProcessGroupWrapper does)
-while the level is above OFF; at OFF the wrapper is gone and costs nothing.
+Both work through :class:`DebugBackend`, a wrapper each group makes for each of
+its backends (as torch's ProcessGroupWrapper) and calls through while the level
+is above OFF; at OFF the group calls its plain backends (one attribute test per call).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import logging
 import os
 import time
 from enum import IntEnum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
 from ._world import world
+from .backends.base import BaseBackend
 from .errors import DistError
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
@@ -82,8 +84,6 @@ def set_debug_level(level: DebugLevel | str | int) -> None:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(handler)
-    for pg in list(world.groups.values()):
-        apply(pg)
 
 
 def set_debug_level_from_env() -> None:
@@ -97,28 +97,6 @@ def set_debug_level_from_env() -> None:
                 raise ValueError(f"{var}={value!r} must be OFF, INFO or DETAIL") from None
             return
     set_debug_level(DebugLevel.OFF)
-
-
-def apply(pg: Any) -> None:
-    """Wrap or unwrap ``pg``'s backends (host and device) to match the current level."""
-    same = pg.device_impl is pg.impl
-    pg.impl = _rewrap(pg.impl, pg)
-    if pg.device_impl is not None:
-        pg.device_impl = pg.impl if same else _rewrap(pg.device_impl, pg)
-
-
-def _rewrap(impl: Any, pg: Any) -> Any:
-    wrapped = isinstance(impl, DebugBackend)
-    if world.debug_level > DebugLevel.OFF and not wrapped:
-        return DebugBackend(impl, pg)
-    if world.debug_level == DebugLevel.OFF and wrapped:
-        return impl.inner
-    return impl
-
-
-def wrap(impl: Any, pg: Any) -> Any:
-    """Wrap a backend made after the group (a device backend) if debugging is on."""
-    return DebugBackend(impl, pg) if world.debug_level > DebugLevel.OFF else impl
 
 
 def _arr(a: np.ndarray | None) -> str:
@@ -250,21 +228,41 @@ def verdict(calls: list[Call]) -> str | None:
     return None
 
 
-class DebugBackend:
-    """Wraps a group's backend: traces each call (INFO) and checks it across ranks (DETAIL)."""
+class DebugBackend(BaseBackend):
+    """Wraps one backend of a group: traces each call (INFO) and checks it across ranks (DETAIL).
 
-    def __init__(self, inner: Any, pg: Any) -> None:
+    Every group makes one for each of its backends when it makes the backend, and
+    routes calls through it while the debug level is above OFF (as torch's
+    ProcessGroupWrapper does); at OFF the group calls the plain backend.
+    """
+
+    def __init__(self, inner: BaseBackend, pg: Any) -> None:
+        super().__init__(inner.rank, inner.size, inner.timeout_s, inner.group_name, inner.global_ranks)
         self.inner = inner
         self.pg = pg
+        self.name = inner.name
 
-    def __getattr__(self, name: str) -> Any:  # rank, size, seq, timeout_s, shutdown, ...
-        return getattr(self.inner, name)
+    # -- the backend's identity and state are the inner backend's ------------------------
+    def describe(self) -> str:
+        return self.inner.describe()
 
-    # no fast lane: every call goes through the general lane, where arrays are described
-    def fast_all_reduce(self, *args: Any) -> Any:
-        return NotImplemented
+    def calls_issued(self) -> int:
+        return self.inner.calls_issued()
 
-    fast_broadcast = fast_all_gather_into_tensor = fast_reduce_scatter_tensor = fast_all_to_all_single = fast_all_reduce
+    def p2p_calls_issued(self) -> int:
+        return self.inner.p2p_calls_issued()
+
+    def pending(self) -> bool:
+        return self.inner.pending()
+
+    def takes(self, arr: Any) -> bool:
+        return self.inner.takes(arr)
+
+    def coalescing(self) -> ContextManager[None]:
+        return self.inner.coalescing()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
     def _run(self, call: Call, nbytes: int, start: Callable[[], Any]) -> Any:
         if world.debug_level >= DebugLevel.DETAIL:
@@ -292,7 +290,7 @@ class DebugBackend:
             )
 
     def _call(self, op: str, text: str, **kw: Any) -> Call:
-        return Call(op, self.inner.seq + 1, f"{op} {text}".strip(), **kw)
+        return Call(op, self.inner.calls_issued() + 1, f"{op} {text}".strip(), **kw)
 
     # -- collectives -------------------------------------------------------------------
     def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Any:
@@ -395,7 +393,7 @@ class DebugBackend:
         work = start()
         if world.debug_level >= DebugLevel.INFO:
             logger.info(
-                f"[rank {self.pg.ranks[self.inner.rank]}] {op} group={self.pg.group_name} p2p#{self.inner.p2p_seq} "
+                f"[rank {self.pg.ranks[self.inner.rank]}] {op} group={self.pg.group_name} p2p#{self.inner.p2p_calls_issued()} "
                 f"{_arr(buf)} peer={'any' if peer is None else self.pg.ranks[peer]} tag={tag} {buf.nbytes} B "
                 f"{(time.perf_counter() - t0) * 1e6:.1f} us (posted)"
             )

@@ -14,18 +14,20 @@ import zlib
 from datetime import timedelta
 from typing import Any, Sequence
 
-from . import debug
 from ._validate import timeout_arg
 from ._world import world
+from .backends.base import BaseBackend
 from .backends.registry import (
     Backend,
     BackendOptions,
     create_backend,
     nccl_available,
+    nccl_usable,
     parse_backend,
     requested_name,
 )
 from .process_group import NON_GROUP_MEMBER, ProcessGroup, rank_int, resolve_group
+from .store import PrefixStore
 
 __all__ = [
     "new_group",
@@ -58,53 +60,56 @@ def make_group(
     (object collectives, subgroup creation), driven by its own MPI backend. Its
     backend sees the default store through a ``PrefixStore`` of its own.
     """
-    from .backends.mpi import MPIBackend
+    from .backends.mpi import MPIBackend  # imports mpi4py.MPI: deferred, import mpidist must not start MPI
+    from .backends.mpi_device import MPIDeviceBackend
 
     backend_name = devices.get("cpu") or devices["cuda"]
     store = None
     if world.store is not None:
-        from .store import PrefixStore
-
         store = PrefixStore(f"mpidist/group/{name}", world.store)
     options = BackendOptions(store, comm.Get_rank(), comm.Get_size(), timeout, name, list(ranks), comm)
     control_comm = comm.Dup()
-    impl = device_impl = None
+    first = device = None
     try:
-        impl = create_backend(backend_name, options, pg_options)
+        first = create_backend(backend_name, options, pg_options)
         cuda = devices.get("cuda", backend_name)
         if cuda != backend_name and (cuda != Backend.NCCL or nccl_available()):
             # e.g. cpu:mpi,cuda:nccl: made now, collectively. Without a usable NCCL (no GPU, no
             # cupy) the group still runs host arrays; a GPU array then gets a clear error.
-            device_impl = create_backend(cuda, options, pg_options)
+            device = create_backend(cuda, options, pg_options)
     except BaseException:
-        if impl is not None:
+        if first is not None:
             with contextlib.suppress(Exception):
-                impl.shutdown()
+                first.shutdown()
         control_comm.Free()
         comm.Free()
         raise
+    host: BaseBackend | None = first
+    if "cpu" not in devices:  # a device-only group (nccl, cuda:mpi): its backend serves device arrays only
+        host = None
+        device = MPIDeviceBackend(first, owns_inner=True) if isinstance(first, MPIBackend) else first
     control = MPIBackend(
         control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks)
     )
-    factory = _DeviceFactory(options, pg_options)
     pg = ProcessGroup(
-        impl, control, list(ranks), name, timeout, requested or backend_name, devices, comm, group_desc or "", factory
+        host,
+        device,
+        control,
+        list(ranks),
+        name,
+        timeout,
+        requested or backend_name,
+        devices,
+        comm,
+        group_desc or "",
+        _DeviceMaker(options, pg_options, first),
     )
-    if device_impl is not None:
-        pg.device_impl = device_impl
-    elif "cuda" in devices and "cpu" not in devices:  # a device-only group: no host fast lane either
-        if isinstance(impl, MPIBackend):
-            from .backends.mpi_device import MPIDeviceBackend
-
-            pg.impl = impl = MPIDeviceBackend(impl, owns_inner=True)
-        pg.device_impl = impl
     world.register_group(pg)
-    debug.apply(pg)
     return pg
 
 
-class _DeviceFactory:
-    """Builds a group's backend for device arrays on first use.
+class _DeviceMaker:
+    """Makes a group's backend for device arrays that its named backends do not take, on first use.
 
     A group whose device backend was named (``cuda:nccl``, ``cuda:mpi``, ``nccl``) got
     it at creation; this covers the rest: ``backend=None`` sends device arrays to NCCL
@@ -113,29 +118,28 @@ class _DeviceFactory:
     backend, CUDA-aware or staged (``backends/mpi_device.py``).
     """
 
-    def __init__(self, options: BackendOptions, pg_options: Any) -> None:
+    def __init__(self, options: BackendOptions, pg_options: Any, first: BaseBackend) -> None:
         self.options = options
         self.pg_options = pg_options
+        self.first = first  # the group's first backend (an MPIBackend unless a third party's)
 
-    def __call__(self, pg: ProcessGroup, fn: str, arr: Any) -> Any:
-        from .backends.mpi import MPIBackend
+    def __call__(self, pg: ProcessGroup, fn: str, arr: Any) -> BaseBackend:
+        from .backends.mpi import MPIBackend  # deferred: see make_group
         from .backends.mpi_device import MPIDeviceBackend
-        from .backends.registry import nccl_usable
 
         wanted = pg.devices.get("cuda")
         if wanted in (None, Backend.NCCL) and nccl_usable(arr):
             if wanted is None:
-                return debug.wrap(create_backend(Backend.NCCL, self.options, self.pg_options), pg)
+                return create_backend(Backend.NCCL, self.options, self.pg_options)
             raise TypeError(
                 f"{fn}: process group {pg.group_name} has no NCCL communicator (it was created without a usable NCCL)"
             )
-        inner = getattr(pg.impl, "inner", pg.impl)  # under a debug wrapper
-        if not isinstance(inner, MPIBackend):
+        if not isinstance(self.first, MPIBackend):
             raise TypeError(
                 f"{fn}: process group {pg.group_name} (backend {pg.backend_name}) cannot take this device "
                 f"array ({arr!r}); name a device backend, e.g. backend='cpu:mpi,cuda:mpi'"
             )
-        return debug.wrap(MPIDeviceBackend(inner), pg)
+        return MPIDeviceBackend(self.first)
 
 
 def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:

@@ -9,14 +9,13 @@ any rank and returns the sender's global rank.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any, Callable
 
 from ._arrays import prepare_input, prepare_output
 from ._world import world
 from .collectives import root_rank
-from .process_group import ProcessGroup, backend_for, resolve_group
+from .process_group import ProcessGroup, resolve_group
 from .work import Work
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
@@ -45,14 +44,14 @@ def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
 
 def _start_send(pg: ProcessGroup, tensor: Any, peer: int, tag: Any, fn: str) -> Work:
     buf = prepare_input(tensor, fn, "tensor")
-    w = backend_for(pg, fn, buf).send(buf, peer, _tag(tag, fn))
+    w = pg.send(buf, peer, _tag(tag, fn))
     w._outputs = [tensor]
     return w
 
 
 def _start_recv(pg: ProcessGroup, tensor: Any, peer: int | None, tag: Any, fn: str) -> Work:
     buf, target = prepare_output(tensor, fn, "tensor")
-    w = backend_for(pg, fn, buf).recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
+    w = pg.recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
     w._outputs = [tensor]
     return w
 
@@ -184,23 +183,11 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         where = f"{fn}: p2p_op_list[{i}] ({p.op.__name__})"
         tag = _tag(p.tag, where)
         if p.op is isend:
-            prepared.append((True, prepare_input(p.tensor, where, "tensor"), None, p, tag))
+            prepared.append((True, prepare_input(p.tensor, where, "tensor"), None, p.group_peer, tag))
         else:
             buf, target = prepare_output(p.tensor, where, "tensor")
-            prepared.append((False, buf, target, p, tag))
-    works = []
-    with contextlib.ExitStack() as batch:
-        coalesced: set[int] = set()
-        for is_send, buf, target, p, tag in prepared:
-            backend = backend_for(pg, fn, buf)
-            coalescing = getattr(backend, "coalescing", None)  # NCCL: one group of sends and receives
-            if coalescing is not None and id(backend) not in coalesced:
-                coalesced.add(id(backend))
-                batch.enter_context(coalescing())
-            if is_send:
-                w = backend.send(buf, p.group_peer, tag)
-            else:
-                w = backend.recv(buf, None if target is None else [(buf, target)], p.group_peer, tag)
-            w._outputs = [p.tensor]
-            works.append(w)
+            prepared.append((False, buf, None if target is None else [(buf, target)], p.group_peer, tag))
+    works = pg.batch_p2p(prepared)
+    for w, p in zip(works, p2p_op_list):
+        w._outputs = [p.tensor]
     return works

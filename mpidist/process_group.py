@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Optional
 
+from numpy import ndarray
+
+from ._arrays import Buffer
 from ._device import DeviceArray
 from ._world import world
 from .backends.base import BaseBackend
+from .debug import DebugBackend
 from .errors import RankNotInGroupError
+from .work import Work
+
+#: write-backs of staged outputs: ``(buffer, caller's array)`` pairs, or None
+Backs = Optional[list[tuple[Buffer, Buffer]]]
 
 __all__ = [
-    "backend_for",
     "ProcessGroup",
     "GroupMember",
     "group",
@@ -23,6 +31,12 @@ __all__ = [
 ]
 
 
+def _levels(backend: BaseBackend, pg: ProcessGroup) -> tuple[BaseBackend, BaseBackend, BaseBackend]:
+    """A backend as each debug level calls it: plain at OFF, through its DebugBackend at INFO and DETAIL."""
+    traced = DebugBackend(backend, pg)
+    return (backend, traced, traced)
+
+
 class ProcessGroup:
     """A group of processes that communicate through one backend.
 
@@ -30,11 +44,20 @@ class ProcessGroup:
     pass it as ``group=`` to any collective. ``rank()`` and ``size()`` are this
     process's rank in the group and the group's size; ``ranks`` lists the members'
     global ranks in group-rank order.
+
+    It is the one place a call is routed: each collective has a method here that
+    takes prepared arrays (``mpidist._arrays.prepare_*``) and group ranks, picks
+    the backend (host arrays: the host backend; device arrays: the device backend;
+    the debug wrapper while the debug level is above OFF) and makes one call.
+    The backends are fixed when the group is made; only a device backend that
+    depends on the kind of device array (NCCL for GPU memory, MPI for others) is
+    made on the first call that needs it, by ``device_maker``.
     """
 
     def __init__(
         self,
-        impl: BaseBackend,
+        host: BaseBackend | None,
+        device: BaseBackend | None,
         control: Any,
         ranks: list[int],
         group_name: str,
@@ -43,10 +66,9 @@ class ProcessGroup:
         devices: dict[str, str],
         comm: Any = None,
         group_desc: str = "",
-        device_factory: Any = None,
+        device_maker: Callable[[ProcessGroup, str, Any], BaseBackend] | None = None,
     ) -> None:
-        self.impl = impl  # the backend for host arrays (for a cuda-only group: its device backend)
-        self.control = control  # MPIBackend over a private duplicate: library traffic
+        self.control = control  # MPIBackend over a private duplicate: library traffic (objects, barriers)
         self.ranks = ranks
         self.group_name = group_name
         self.group_desc = group_desc or group_name
@@ -54,71 +76,180 @@ class ProcessGroup:
         self.backend_name = backend_name
         self.devices = devices
         self._comm = comm
+        self._rank = control.rank
+        self._size = len(ranks)
         self._identity = ranks == list(range(len(ranks)))
         self._group_of = {g: i for i, g in enumerate(ranks)}
         self.destroyed = False
-        self.host_ok = "cpu" in devices
-        self._device_factory = device_factory  # builds the backend for device arrays, on first use
-        self.device_impl: BaseBackend | None = None
-        self._other_device_impl: BaseBackend | None = None
+        self._host = None if host is None else _levels(host, self)
+        self._device = None if device is None else _levels(device, self)
+        # the host-packed buffers of *_coalesced calls: the host backend, or the control's on a device-only group
+        self._packing = self._host or _levels(control, self)
+        self._device_maker = device_maker
+        self._made: list[tuple[BaseBackend, ...]] = []  # device backends made on first use (at most two)
+        # the route of the common case, a dict lookup: host arrays to the host backend (none on device-only groups)
+        self._route: dict[type, tuple[BaseBackend, ...]] = {} if self._host is None else {ndarray: self._host}
 
-    def device_backend(self, fn: str, arr: Any) -> BaseBackend:
-        """Return the backend for a call on device arrays (``arr`` is one of them), made on first use."""
-        d = self.device_impl
-        if d is None or not d.takes(arr):
-            other = self._other_device_impl  # e.g. stand-in arrays on a group whose GPU backend is NCCL
-            if d is not None and other is not None and other.takes(arr):
-                return other
-            if self._device_factory is None:
-                raise TypeError(
-                    f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays"
-                )
-            made = self._device_factory(self, fn, arr)
-            if d is None:
-                self.device_impl = made
-            else:
-                self._other_device_impl = made
-            d = made
-        return d
-
-    def host_backend(self, fn: str) -> BaseBackend:
-        """Return the backend for a call on host arrays, or raise if the group has none."""
-        if not self.host_ok:
+    # -- routing: each method below takes ``(self._route.get(type(x)) or self._levels(...))[world.debug_level]``
+    def _levels(self, fn: str, a: Any, b: Any = None) -> tuple[BaseBackend, ...]:
+        """The backend (by debug level) for a call on prepared arrays ``a`` and ``b`` (arrays, lists, None)
+        that the route of the common case did not take: device arrays, lists of arrays, or a refusal."""
+        d = _first_device(a) or _first_device(b)
+        if d is not None:
+            return self._device_levels(fn, d)
+        if self._host is None:
             raise TypeError(
                 f"{fn}: process group {self.group_name} has backend {self.backend_name}, which takes CUDA "
                 "arrays only; got a host array (numpy or CPU tensor); create the group with "
                 "backend='cpu:mpi,cuda:nccl' to use both"
             )
-        return self.impl
+        return self._host
 
-    def packing_backend(self) -> BaseBackend:
-        """The backend for host buffers mpidist packs itself (``*_coalesced``): the host backend, or on a
-        device-only group (``backend="nccl"``) the MPI backend of the group's private communicator."""
-        return self.impl if self.host_ok else self.control
+    def _device_levels(self, fn: str, arr: DeviceArray) -> tuple[BaseBackend, ...]:
+        """The group's device backend if it takes ``arr``, else one made for such arrays (on first use)."""
+        for levels in (self._device, *self._made):
+            if levels is not None and levels[0].takes(arr):
+                return levels
+        if self._device_maker is None:
+            raise TypeError(
+                f"{fn}: process group {self.group_name} (backend {self.backend_name}) takes no device arrays"
+            )
+        made = _levels(self._device_maker(self, fn, arr), self)
+        self._made.append(made)
+        return made
 
+    def backend(self, device: str = "cpu") -> BaseBackend | None:
+        """The backend a call on ``device`` ("cpu" or "cuda") arrays runs on now: at a debug level above
+        OFF its DebugBackend. None if the group has none (yet: device backends made on first use)."""
+        if device == "cpu":
+            levels = self._host
+        elif device == "cuda":
+            levels = self._device or next(iter(self._made), None)
+        else:
+            raise ValueError(f"ProcessGroup.backend: device must be 'cpu' or 'cuda', got {device!r}")
+        return None if levels is None else levels[world.debug_level]
+
+    def calls_issued(self) -> int:
+        """Collectives issued on this group so far (the same count on every rank)."""
+        return (self._host or self._device or self._packing)[0].calls_issued()
+
+    def p2p_calls_issued(self) -> int:
+        """Point-to-point operations this rank posted on this group's host (or only) backend."""
+        return (self._host or self._device or self._packing)[0].p2p_calls_issued()
+
+    # -- collectives: prepared arrays and group ranks in, one backend call --------------
+    def broadcast(self, buf: Buffer, backs: Backs, root: int, async_op: bool) -> Work | None:
+        b = (self._route.get(type(buf)) or self._levels("broadcast", buf))[world.debug_level]
+        return b.broadcast(buf, backs, root, async_op)
+
+    def all_reduce(self, buf: Buffer, backs: Backs, op: Any, async_op: bool) -> Work | None:
+        b = (self._route.get(type(buf)) or self._levels("all_reduce", buf))[world.debug_level]
+        return b.all_reduce(buf, backs, op, async_op)
+
+    def reduce(self, buf: Buffer, backs: Backs, op: Any, root: int, async_op: bool) -> Work | None:
+        b = (self._route.get(type(buf)) or self._levels("reduce", buf))[world.debug_level]
+        return b.reduce(buf, backs, op, root, async_op)
+
+    def all_gather(self, outs: list[Buffer], backs: Backs, inp: Buffer, async_op: bool) -> Work | None:
+        b = self._levels("all_gather", inp, outs)[world.debug_level]
+        return b.all_gather(outs, backs, inp, async_op)
+
+    def all_gather_into_tensor(self, out: Buffer, backs: Backs, inp: Buffer, async_op: bool) -> Work | None:
+        b = (type(inp) is type(out) and self._route.get(type(out)) or self._levels("all_gather_into_tensor", out, inp))[
+            world.debug_level
+        ]
+        return b.all_gather_into_tensor(out, backs, inp, async_op)
+
+    def gather(self, inp: Buffer, outs: list[Buffer] | None, backs: Backs, root: int, async_op: bool) -> Work | None:
+        b = self._levels("gather", inp, outs)[world.debug_level]
+        return b.gather(inp, outs, backs, root, async_op)
+
+    def scatter(self, out: Buffer, backs: Backs, ins: list[Buffer] | None, root: int, async_op: bool) -> Work | None:
+        b = self._levels("scatter", out, ins)[world.debug_level]
+        return b.scatter(out, backs, ins, root, async_op)
+
+    def reduce_scatter(self, out: Buffer, backs: Backs, ins: list[Buffer], op: Any, async_op: bool) -> Work | None:
+        b = self._levels("reduce_scatter", out, ins)[world.debug_level]
+        return b.reduce_scatter(out, backs, ins, op, async_op)
+
+    def reduce_scatter_tensor(self, out: Buffer, backs: Backs, inp: Buffer, op: Any, async_op: bool) -> Work | None:
+        b = (type(inp) is type(out) and self._route.get(type(out)) or self._levels("reduce_scatter_tensor", out, inp))[
+            world.debug_level
+        ]
+        return b.reduce_scatter_tensor(out, backs, inp, op, async_op)
+
+    def all_to_all_single(
+        self, out: Buffer, backs: Backs, inp: Buffer, out_counts: Any, in_counts: Any, async_op: bool
+    ) -> Work | None:
+        b = (type(inp) is type(out) and self._route.get(type(out)) or self._levels("all_to_all_single", out, inp))[
+            world.debug_level
+        ]
+        return b.all_to_all_single(out, backs, inp, out_counts, in_counts, async_op)
+
+    def all_to_all(self, outs: list[Buffer], backs: Backs, ins: list[Buffer], async_op: bool) -> Work | None:
+        b = self._levels("all_to_all", outs, ins)[world.debug_level]
+        return b.all_to_all(outs, backs, ins, async_op)
+
+    def barrier(self, async_op: bool) -> Work | None:
+        return (self._host or self._device or self._packing)[world.debug_level].barrier(async_op)
+
+    def all_reduce_packed(self, packed: ndarray, backs: Backs, op: Any, async_op: bool) -> Work | None:
+        """``all_reduce`` of a host buffer mpidist packed itself (``all_reduce_coalesced``), on any group."""
+        return self._packing[world.debug_level].all_reduce(packed, backs, op, async_op)
+
+    def all_gather_packed(self, out: ndarray, backs: Backs, inp: ndarray, async_op: bool) -> Work | None:
+        """``all_gather_into_tensor`` of host buffers mpidist packed itself (``all_gather_coalesced``)."""
+        return self._packing[world.debug_level].all_gather_into_tensor(out, backs, inp, async_op)
+
+    def send(self, buf: Buffer, peer: int, tag: int) -> Work:
+        return (self._route.get(type(buf)) or self._levels("send", buf))[world.debug_level].send(buf, peer, tag)
+
+    def recv(self, buf: Buffer, backs: Backs, peer: int | None, tag: int) -> Work:
+        b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
+        return b.recv(buf, backs, peer, tag)
+
+    def batch_p2p(self, ops: list[tuple[bool, Buffer, Backs, int, int]]) -> list[Work]:
+        """Post ``(is_send, buffer, backs, peer, tag)`` sends and receives as one batch.
+
+        Each backend involved issues its share inside its ``coalescing()`` block (NCCL: one group).
+        """
+        works = []
+        with contextlib.ExitStack() as batch:
+            entered: set[int] = set()
+            for is_send, buf, backs, peer, tag in ops:
+                backend = self._levels("batch_isend_irecv", buf)[world.debug_level]
+                if id(backend) not in entered:
+                    entered.add(id(backend))
+                    batch.enter_context(backend.coalescing())
+                if is_send:
+                    works.append(backend.send(buf, peer, tag))
+                else:
+                    works.append(backend.recv(buf, backs, peer, tag))
+        return works
+
+    # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
         """Return this process's rank in the group."""
-        return self.impl.rank
+        return self._rank
 
     def size(self) -> int:
         """Return the number of processes in the group."""
-        return self.impl.size
+        return self._size
 
     def name(self) -> str:
         """Return the backend's name (torch's ``ProcessGroup.name()``)."""
         return self.backend_name
 
     def shutdown(self) -> None:
-        """Mark the group destroyed and free its backend and communicators."""
+        """Mark the group destroyed and free its backends and communicators."""
         if self.destroyed:
             return
         self.destroyed = True
-        for d in (self._other_device_impl, self.device_impl):
-            if d is not None and d is not self.impl:
-                d.shutdown()
-        self.impl.shutdown()
+        backends = [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
+        for b in backends:
+            b.shutdown()
         self.control.shutdown()
-        if self._comm is not None and not (self.impl.pending() or self.control.pending()):
+        if self._comm is not None and not (any(b.pending() for b in backends) or self.control.pending()):
             self._comm.Free()  # else left allocated, see MPIBackend.shutdown
 
     @property
@@ -155,20 +286,15 @@ class ProcessGroup:
         )
 
 
-def backend_for(pg: ProcessGroup, fn: str, *arrays: Any) -> BaseBackend:
-    """Return the backend for a call on prepared ``arrays`` (arrays, lists of arrays, or None).
-
-    Host arrays go to the group's host backend; if any array is a device array, the
-    call goes to the group's device backend (NCCL, or MPI CUDA-aware/staged).
-    """
-    for a in arrays:
-        if type(a) is DeviceArray:
-            return pg.device_backend(fn, a)
-        if type(a) is list:
-            for x in a:
-                if type(x) is DeviceArray:
-                    return pg.device_backend(fn, x)
-    return pg.impl if pg.host_ok else pg.host_backend(fn)
+def _first_device(arrays: Any) -> DeviceArray | None:
+    """The first device array of a prepared argument (an array, a list of arrays, or None)."""
+    if type(arrays) is DeviceArray:
+        return arrays
+    if type(arrays) is list:
+        for x in arrays:
+            if type(x) is DeviceArray:
+                return x
+    return None
 
 
 def _short(ranks: list[int]) -> str:

@@ -58,12 +58,28 @@ def calls_issued(group: Any = None) -> int:
     tests check with it that a refused call sent nothing and that ranks stayed in
     step, without reaching into the backends.
     """
+    return _member(group, "calls_issued").calls_issued()
+
+
+def p2p_calls_issued(group: Any = None) -> int:
+    """How many sends and receives this rank posted on ``group`` (default: the world). Test support."""
+    return _member(group, "p2p_calls_issued").p2p_calls_issued()
+
+
+def backend_of(group: Any = None, device: str = "cpu") -> Any:
+    """The backend a call on ``device`` ("cpu"/"cuda") arrays of ``group`` runs on now (a ``DebugBackend``
+    around it at a debug level above OFF; None if none was made yet). Test support: which backend serves a
+    group, with what timeout."""
+    return _member(group, "backend_of").backend(device)
+
+
+def _member(group: Any, fn: str) -> Any:
     from .process_group import resolve_group
 
-    pg = resolve_group(group, "calls_issued")
+    pg = resolve_group(group, fn)
     if pg is None:
-        raise ValueError("calls_issued: this rank is not a member of the group")
-    return int(pg.impl.seq)
+        raise ValueError(f"{fn}: this rank is not a member of the group")
+    return pg
 
 
 def vote(failed: bool) -> list[int]:

@@ -256,7 +256,7 @@ class Work:
                     self._complete()
                 else:
                     self._owner.keep_stuck(self._reqs, self._keep)
-                    self._fail(self._owner.timeout_error(self._op, self._seq, limit))
+                    self._fail(self._owner.timeout_failure(self._op, self._seq, limit))
         if self._exc is not None:
             raise self._exc
         return True

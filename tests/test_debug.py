@@ -24,7 +24,7 @@ import mpidist as dist
 from mpidist.backends.mpi import MPIBackend
 from mpidist.debug import Call, DebugBackend, verdict
 from mpidist.errors import DistBackendError, DistError
-from mpidist.testing import calls_issued
+from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
 from helpers import assert_equal, check_raises, fail_together, rank_input, reference
 
@@ -184,8 +184,8 @@ def test_init_process_group_reads_the_environment(no_debug_env):
         dist.init_process_group(timeout=PG_TIMEOUT_S)
         if dist.get_debug_level() is not L.INFO:
             problems.append(f"MPIDIST_DEBUG=info: level {dist.get_debug_level()!r}")
-        if not isinstance(dist.group.WORLD.impl, DebugBackend):
-            problems.append(f"MPIDIST_DEBUG=info: WORLD backend is {type(dist.group.WORLD.impl).__name__}")
+        if not isinstance(backend_of(), DebugBackend):
+            problems.append(f"MPIDIST_DEBUG=info: WORLD backend is {type(backend_of()).__name__}")
         x = np.full(3, dist.get_rank() + 1.0)
         dist.all_reduce(x)
         if not np.array_equal(x, np.full(3, sum(range(1, dist.get_world_size() + 1)), F8)):
@@ -202,8 +202,8 @@ def test_init_process_group_reads_the_environment(no_debug_env):
         dist.init_process_group(timeout=PG_TIMEOUT_S)
         if dist.get_debug_level() is not L.OFF:
             problems.append(f"no variable: level {dist.get_debug_level()!r}")
-        if type(dist.group.WORLD.impl) is not MPIBackend:
-            problems.append(f"no variable: WORLD backend is {type(dist.group.WORLD.impl).__name__}")
+        if type(backend_of()) is not MPIBackend:
+            problems.append(f"no variable: WORLD backend is {type(backend_of()).__name__}")
     finally:
         init_default_group()
     fail_together(problems)
@@ -216,16 +216,16 @@ def test_init_process_group_reads_the_environment(no_debug_env):
 
 def test_backend_is_wrapped_only_above_off(world_size):
     world = dist.group.WORLD
-    assert type(world.impl) is MPIBackend  # OFF: the plain backend, fast lane and all
+    assert type(backend_of(world)) is MPIBackend  # OFF: the plain backend
     before = dist.new_group()
     for level in (L.INFO, L.DETAIL):
         dist.set_debug_level(level)
         for pg in (world, before):
-            assert type(pg.impl) is DebugBackend, (level, pg)
-            assert type(pg.impl.inner) is MPIBackend  # wrapped once, never twice
+            assert type(backend_of(pg)) is DebugBackend, (level, pg)
+            assert type(backend_of(pg).inner) is MPIBackend  # wrapped once, never twice
         during = dist.new_group()
-        assert type(during.impl) is DebugBackend
-        assert type(during.impl.inner) is MPIBackend
+        assert type(backend_of(during)) is DebugBackend
+        assert type(backend_of(during).inner) is MPIBackend
         assert during.rank() == dist.get_rank() and during.size() == world_size  # delegated
         x = np.ones(2)
         dist.all_reduce(x, group=during)
@@ -233,7 +233,7 @@ def test_backend_is_wrapped_only_above_off(world_size):
     dist.set_debug_level(L.OFF)
     after = dist.new_group()
     for pg in (world, before, during, after):
-        assert type(pg.impl) is MPIBackend, pg
+        assert type(backend_of(pg)) is MPIBackend, pg
 
 
 def test_set_debug_level_attaches_a_stderr_handler_once(monkeypatch):
@@ -328,7 +328,7 @@ def test_trace_p2p_lines(caplog, rank, world_size, level):
     """send and recv each log one line on their own rank (p2p is traced, not checked)."""
     caplog.set_level(logging.INFO, logger="mpidist")
     dist.set_debug_level(level)
-    p2p = dist.group.WORLD.impl.p2p_seq
+    p2p = p2p_calls_issued()
     caplog.clear()
     buf = np.arange(3.0) if rank == 0 else np.zeros(3)
     got_from = None

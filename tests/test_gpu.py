@@ -21,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
+from mpidist.testing import backend_of
 
 from helpers import BF16, fail_together, filled, rank_input, reference, sentinel, to_kind, to_numpy
 from helpers import Checks as BaseChecks
@@ -138,7 +139,7 @@ def test_the_group_uses_nccl_for_device_arrays(group):
 
     x = cp.ones(2)
     dist.all_reduce(x, group=group)
-    impl = getattr(group.device_impl, "inner", group.device_impl)
+    impl = backend_of(group, "cuda")
     fail_together([] if isinstance(impl, NCCLBackend) and impl.device == DEVICE else [f"device backend {impl!r}"])
 
 

@@ -22,6 +22,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist import Backend, BackendOptions, BaseBackend
 from mpidist.backends.mpi import MPIBackend
+from mpidist.testing import backend_of
 
 from helpers import check_raises, fail_together
 
@@ -427,7 +428,7 @@ def test_store_that_is_not_a_store(no_group):
 def test_timeout_as_timedelta(no_group):
     init(timeout=timedelta(seconds=42))
     assert dist.group.WORLD.timeout == timedelta(seconds=42)
-    assert dist.group.WORLD.impl.timeout_s == 42
+    assert backend_of().timeout_s == 42
     check_world_works()
 
 
@@ -462,7 +463,7 @@ def test_new_group_and_subgroups_inherit_the_timeout(no_group):
     init(timeout=timedelta(seconds=77))
     sub = dist.new_group()
     assert sub.timeout == timedelta(seconds=77)
-    assert sub.impl.timeout_s == 77
+    assert backend_of(sub).timeout_s == 77
     mine, _ = dist.new_subgroups(1)
     assert mine.timeout == timedelta(seconds=77)
     enum_mine, _ = dist.new_subgroups_by_enumeration([list(range(SIZE))])
@@ -771,7 +772,7 @@ def test_register_backend_extended_api(no_group, registered):
     assert options.timeout == timedelta(seconds=PG_TIMEOUT_S)
     assert options.global_ranks_in_group == list(range(SIZE))
     assert options.group_id == dist.group.WORLD.group_name
-    assert dist.group.WORLD.impl is impl
+    assert backend_of() is impl
 
     check_world_works()
     x = np.arange(3.0) if RANK == 0 else np.zeros(3)
@@ -784,7 +785,7 @@ def test_register_backend_extended_api(no_group, registered):
     sub = dist.new_group()
     assert len(_ext_calls) == 2
     sub_options, _, sub_impl = _ext_calls[1]
-    assert sub.impl is sub_impl and sub_impl is not impl
+    assert backend_of(sub) is sub_impl and sub_impl is not impl
     assert dist.get_backend(sub) == EXT
     assert sub_options.group_id == sub.group_name != options.group_id
     check_world_works(sub)

@@ -181,9 +181,9 @@ class NCCLBase(BaseBackend):
     def takes(self, arr: Any) -> bool:
         return self.rt.takes(arr)
 
-    def timeout_error(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
+    def timeout_failure(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
         """The base class's error, saying what happens to the NCCL communicator."""
-        error = super().timeout_error(op, seq, timeout_s)
+        error = super().timeout_failure(op, seq, timeout_s)
         text = str(error).replace(
             "The group is unusable now (the call is still pending inside MPI)",
             "Its NCCL communicator is aborted, so the group is unusable now",
@@ -380,7 +380,7 @@ class NCCLBase(BaseBackend):
             raise self.failed(fn, seq, event, keep, exc) from exc
         if not finished:
             self.keep_stuck(event, keep)
-            error = self.timeout_error(fn, seq, limit)
+            error = self.timeout_failure(fn, seq, limit)
             self._abort(f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out")
             raise error
 

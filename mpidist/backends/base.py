@@ -18,12 +18,13 @@ object of a subclass of :class:`BaseBackend` from its factory.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, ContextManager, Sequence
 
 import numpy as np
 
-from .. import stall
+from .. import abort, stall
 from .._world import world
 from ..errors import DistBackendError
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
@@ -57,11 +58,12 @@ class BaseBackend(ABC):
         """Wrap a library error of call ``seq`` in a DistBackendError."""
         return DistBackendError(f"{op} (call #{seq}) on {self.describe()} failed: {exc}")
 
-    def timeout_error(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
-        """Build the error for call ``seq`` that did not complete within ``timeout_s``.
+    def timeout_failure(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
+        """Diagnose call ``seq``, which did not complete within ``timeout_s``, and return its error.
 
-        Asks the other members what they are waiting in (``stall.survey``, at most
-        a second) so the message can say who has not arrived.
+        This communicates: it asks the other members what they are waiting in
+        (``stall.survey``, at most a second) so the message can say who has not
+        arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
         """
         where = ""
         if self.global_ranks is not None and self.size > 1:
@@ -74,9 +76,7 @@ class BaseBackend(ABC):
             "MPI): destroy it, or end the job (mpidist.abort_process_group)."
         )
         if world.init_info.abort_on_timeout:
-            from ..abort import abort_process_group
-
-            abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
+            abort.abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
         return error
 
     def keep_stuck(self, reqs: Any, keep: Any) -> None:
@@ -98,29 +98,20 @@ class BaseBackend(ABC):
         """True if this backend can run calls on the device array ``arr`` (device backends override)."""
         return True
 
+    def calls_issued(self) -> int:
+        """Collectives issued through this backend (the same count on every rank of the group)."""
+        return self.seq
+
+    def p2p_calls_issued(self) -> int:
+        """Point-to-point operations posted through this backend by this rank."""
+        return self.p2p_seq
+
+    def coalescing(self) -> ContextManager[None]:
+        """A block whose sends and receives the backend may issue as one group (NCCL); by default nothing."""
+        return contextlib.nullcontext()
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
-
-    # -- the fast lane (optional) --------------------------------------------------------
-    # fast_* methods get the caller's own arrays (unvalidated) and either complete
-    # the common case or return NotImplemented, untouched; then the collective
-    # validates and prepares the arrays and calls the general method below.
-    # Backends without a fast lane inherit these.
-
-    def fast_all_reduce(self, tensor: Any, op: Any, async_op: bool) -> Any:
-        return NotImplemented
-
-    def fast_broadcast(self, tensor: Any, root: int, async_op: bool) -> Any:
-        return NotImplemented
-
-    def fast_all_gather_into_tensor(self, out: Any, inp: Any, async_op: bool) -> Any:
-        return NotImplemented
-
-    def fast_reduce_scatter_tensor(self, out: Any, inp: Any, op: Any, async_op: bool) -> Any:
-        return NotImplemented
-
-    def fast_all_to_all_single(self, out: Any, inp: Any, async_op: bool) -> Any:
-        return NotImplemented
 
     # -- collectives -----------------------------------------------------------------
     @abstractmethod

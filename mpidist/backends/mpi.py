@@ -72,18 +72,14 @@ _GENERAL = object()
 class TypeEntry:
     """How this MPI library handles one dtype."""
 
-    __slots__ = ("info", "mpi", "ops", "wide", "direct")
+    __slots__ = ("info", "mpi", "ops", "wide")
 
-    def __init__(
-        self, info: _arrays.DtypeInfo, mpi: MPI.Datatype, ops: tuple[Any, ...], wide: np.dtype | None, direct: bool
-    ):
+    def __init__(self, info: _arrays.DtypeInfo, mpi: MPI.Datatype, ops: tuple[Any, ...], wide: np.dtype | None):
         self.info = info
         self.mpi = mpi  # datatype that moves the elements
-        self.ops = ops  # by RedOpType: MPI.Op if native and direct, _GENERAL, or None (undefined)
+        # by RedOpType: an MPI.Op if MPI computes it on this dtype in one call, _GENERAL, or None (undefined)
+        self.ops = ops
         self.wide = wide  # dtype reductions run in when MPI cannot reduce this one natively
-        # True if mpi4py's automatic datatype for the array (from its buffer format) is
-        # the right one, so the array can be passed without a [buffer, datatype] list.
-        self.direct = direct
 
 
 def _reduces_natively(mpi_type: MPI.Datatype, dtype: np.dtype, prim: Prim) -> bool:
@@ -116,8 +112,7 @@ def _entry(info: _arrays.DtypeInfo) -> TypeEntry:
     ops = tuple(
         None if e is None else (_PRIM_OPS[e[0]] if e[1] is Post.NONE and wide is None else _GENERAL) for e in table
     )
-    direct = have and wide is None and (info.kind in "biuc" or info.name in ("float32", "float64"))
-    return TypeEntry(info, move, ops, wide, direct)
+    return TypeEntry(info, move, ops, wide)
 
 
 def type_table() -> dict[np.dtype, TypeEntry]:
@@ -196,30 +191,6 @@ class MPIBackend(BaseBackend):
 
     name = "mpi"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that overrides a general method gets it called: its fast lane is off for that op."""
-        super().__init_subclass__(**kwargs)
-        base = MPIBackend
-        if cls.all_reduce is not base.all_reduce and cls.fast_all_reduce is base.fast_all_reduce:
-            cls.fast_all_reduce = BaseBackend.fast_all_reduce  # type: ignore[method-assign]
-        if cls.broadcast is not base.broadcast and cls.fast_broadcast is base.fast_broadcast:
-            cls.fast_broadcast = BaseBackend.fast_broadcast  # type: ignore[method-assign]
-        if (
-            cls.all_gather_into_tensor is not base.all_gather_into_tensor
-            and cls.fast_all_gather_into_tensor is base.fast_all_gather_into_tensor
-        ):
-            cls.fast_all_gather_into_tensor = BaseBackend.fast_all_gather_into_tensor  # type: ignore[method-assign]
-        if (
-            cls.reduce_scatter_tensor is not base.reduce_scatter_tensor
-            and cls.fast_reduce_scatter_tensor is base.fast_reduce_scatter_tensor
-        ):
-            cls.fast_reduce_scatter_tensor = BaseBackend.fast_reduce_scatter_tensor  # type: ignore[method-assign]
-        if (
-            cls.all_to_all_single is not base.all_to_all_single
-            and cls.fast_all_to_all_single is base.fast_all_to_all_single
-        ):
-            cls.fast_all_to_all_single = BaseBackend.fast_all_to_all_single  # type: ignore[method-assign]
-
     def __init__(
         self,
         comm: MPI.Comm,
@@ -230,7 +201,7 @@ class MPIBackend(BaseBackend):
     ) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name, global_ranks)
         self.comm = comm
-        # bound once: the fast lane calls these on every operation
+        # bound once: the latency-critical collectives call these on every operation
         self._iallreduce = comm.Iallreduce
         self._ibcast = comm.Ibcast
         self._iallgather = comm.Iallgather
@@ -278,7 +249,12 @@ class MPIBackend(BaseBackend):
     def _done(
         self, op: str, req: MPI.Request, post: Callable[[], None] | None, keep: Any, async_op: bool
     ) -> Work | None:
-        """Return a Work for ``req``, or wait for it (within the timeout) and finish."""
+        """Return a Work for ``req``, or wait for it (within the timeout) and finish: every call ends here.
+
+        A blocking call tests once (a small operation is usually complete by then:
+        MPICH progresses it inside the nonblocking call) and only then enters the
+        polling wait; ``keep`` holds the buffers until MPI is done with them.
+        """
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:
@@ -302,136 +278,10 @@ class MPIBackend(BaseBackend):
     def _expired(self, op: str, req: MPI.Request, keep: Any) -> None:
         """A blocking call ran out of time: keep its buffers forever and raise."""
         self.keep_stuck([req], keep)
-        raise self.timeout_error(op, self.seq, self.timeout_s)
+        raise self.timeout_failure(op, self.seq, self.timeout_s)
 
     def _fail(self, op: str, exc: MPI.Exception) -> Exception:
         return self.backend_error(op, self.seq, exc)
-
-    # -- the fast lane ----------------------------------------------------------------------
-    # Each fast_* method takes the caller's arrays and completes the common case in
-    # one Python call: plain C-contiguous numpy arrays of a supported dtype (exactly
-    # what _arrays.prepare_* passes through unchanged), sizes that fit, no aliasing,
-    # an op MPI computes natively. For anything else it returns NotImplemented
-    # before touching anything, and the general lane below (staging, every check
-    # and error message) takes over. Measured on 2 ranks at 8 bytes, the general
-    # lane's helper calls cost ~0.9 us per call that this saves. For the same reason
-    # each writes out the tail of _done (return a Work, or test once and wait).
-
-    def fast_all_reduce(self, tensor: Any, op: Any, async_op: bool) -> Any:
-        if type(tensor) is not ndarray or type(op) is not RedOpType:
-            return NotImplemented
-        e = self._types.get(tensor.dtype)
-        if e is None:
-            return NotImplemented
-        mop = e.ops[op]
-        f = tensor.flags
-        if type(mop) is not Op or not (f.c_contiguous and f.writeable):
-            return NotImplemented
-        self.seq += 1
-        try:
-            req = self._iallreduce(IN_PLACE, tensor if e.direct else [tensor, e.mpi], mop)
-            if async_op:
-                return Work([req], None, tensor, "all_reduce", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_reduce", req, tensor)
-        except MPI.Exception as exc:
-            raise self._fail("all_reduce", exc) from exc
-        return None
-
-    def fast_broadcast(self, tensor: Any, root: int, async_op: bool) -> Any:
-        if type(tensor) is not ndarray:
-            return NotImplemented
-        e = self._types.get(tensor.dtype)
-        f = tensor.flags
-        if e is None or not f.c_contiguous or not (f.writeable or root == self.rank):
-            return NotImplemented
-        self.seq += 1
-        try:
-            req = self._ibcast(tensor if e.direct else [tensor, e.mpi], root)
-            if async_op:
-                return Work([req], None, tensor, "broadcast", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("broadcast", req, tensor)
-        except MPI.Exception as exc:
-            raise self._fail("broadcast", exc) from exc
-        return None
-
-    def _fast_pair(self, out: Any, inp: Any) -> TypeEntry | None:
-        """The TypeEntry if (out, inp) are ready for MPI as they are, else None."""
-        if type(out) is not ndarray or type(inp) is not ndarray:
-            return None
-        dtype = out.dtype
-        if dtype is not inp.dtype:
-            return None
-        f = out.flags
-        if not (f.c_contiguous and f.writeable and inp.flags.c_contiguous):
-            return None
-        if out is inp or ((out.base is not None or inp.base is not None) and np.may_share_memory(out, inp)):
-            return None  # views (torch tensors' too) that may alias: the general lane sorts them out
-        return self._types.get(dtype)
-
-    def fast_all_gather_into_tensor(self, out: Any, inp: Any, async_op: bool) -> Any:
-        e = self._fast_pair(out, inp)
-        if e is None or out.size != self.size * inp.size:
-            return NotImplemented
-        self.seq += 1
-        try:
-            if e.direct:
-                req = self._iallgather(inp, out)
-            else:
-                req = self._iallgather([inp, e.mpi], [out, e.mpi])
-            if async_op:
-                return Work([req], None, (inp, out), "all_gather_into_tensor", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_gather_into_tensor", req, (inp, out))
-        except MPI.Exception as exc:
-            raise self._fail("all_gather_into_tensor", exc) from exc
-        return None
-
-    def fast_reduce_scatter_tensor(self, out: Any, inp: Any, op: Any, async_op: bool) -> Any:
-        e = self._fast_pair(out, inp)
-        if e is None or type(op) is not RedOpType or inp.size != self.size * out.size:
-            return NotImplemented
-        mop = e.ops[op]
-        if type(mop) is not Op:
-            return NotImplemented
-        self.seq += 1
-        smsg = inp if e.direct else [inp, e.mpi]
-        rmsg = out if e.direct else [out, e.mpi]
-        try:
-            if inp.nbytes < _BLOCK_VARIANT_LIMIT:
-                req = self._ireduce_scatter_block(smsg, rmsg, mop)
-            else:
-                req = self._ireduce_scatter(smsg, rmsg, None, mop)
-            if async_op:
-                return Work([req], None, (inp, out), "reduce_scatter_tensor", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("reduce_scatter_tensor", req, (inp, out))
-        except MPI.Exception as exc:
-            raise self._fail("reduce_scatter_tensor", exc) from exc
-        return None
-
-    def fast_all_to_all_single(self, out: Any, inp: Any, async_op: bool) -> Any:
-        """Even splits only (the caller passes no split sizes)."""
-        e = self._fast_pair(out, inp)
-        if e is None:
-            return NotImplemented
-        shape = inp.shape
-        if out.shape != shape or not shape or shape[0] % self.size:
-            return NotImplemented
-        self.seq += 1
-        try:
-            if e.direct:
-                req = self._ialltoall(inp, out)
-            else:
-                req = self._ialltoall([inp, e.mpi], [out, e.mpi])
-            if async_op:
-                return Work([req], None, (inp, out), "all_to_all_single", self, self.seq, self.timeout_s)
-            if not req.Test():
-                self._wait("all_to_all_single", req, (inp, out))
-        except MPI.Exception as exc:
-            raise self._fail("all_to_all_single", exc) from exc
-        return None
 
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
@@ -509,7 +359,7 @@ class MPIBackend(BaseBackend):
                 lambda s, r, o: comm.Iallreduce(s, r, o), backs, async_op,
             )  # fmt: skip
         try:
-            req = self.comm.Iallreduce(IN_PLACE, buf if e.direct else [buf, e.mpi], mop)
+            req = self._iallreduce(IN_PLACE, [buf, e.mpi], mop)
         except MPI.Exception as exc:
             raise self._fail("all_reduce", exc) from exc
         return self._done("all_reduce", req, None, buf, async_op)
@@ -536,13 +386,13 @@ class MPIBackend(BaseBackend):
                 "reduce_scatter_tensor", e, op, inp, out, False,
                 lambda s, r, o: comm.Ireduce_scatter(s, r, None, o), backs, async_op,
             )  # fmt: skip
-        smsg = inp if e.direct else [inp, e.mpi]
-        rmsg = out if e.direct else [out, e.mpi]
+        smsg = [inp, e.mpi]
+        rmsg = [out, e.mpi]
         try:
             if inp.nbytes < _BLOCK_VARIANT_LIMIT:
-                req = comm.Ireduce_scatter_block(smsg, rmsg, mop)
+                req = self._ireduce_scatter_block(smsg, rmsg, mop)
             else:
-                req = comm.Ireduce_scatter(smsg, rmsg, None, mop)
+                req = self._ireduce_scatter(smsg, rmsg, None, mop)
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
         return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
@@ -574,7 +424,7 @@ class MPIBackend(BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "broadcast")
         try:
-            req = self.comm.Ibcast(buf if e.direct else [buf, e.mpi], root)
+            req = self._ibcast([buf, e.mpi], root)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
         post = None if backs is None else (lambda: _write_backs(backs))
@@ -583,7 +433,7 @@ class MPIBackend(BaseBackend):
     def all_gather_into_tensor(self, out: ndarray, backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "all_gather_into_tensor")
-        smsg: Any = inp if e.direct else [inp, e.mpi]
+        smsg: Any = [inp, e.mpi]
         if _arrays.may_overlap(out, inp):
             mine = inp.nbytes * self.rank
             if inp.nbytes and _address(inp) == _address(out) + mine:
@@ -591,7 +441,7 @@ class MPIBackend(BaseBackend):
             else:
                 smsg = [self._separate(inp), e.mpi]
         try:
-            req = self.comm.Iallgather(smsg, out if e.direct else [out, e.mpi])
+            req = self._iallgather(smsg, [out, e.mpi])
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
         post = None if backs is None else (lambda: _write_backs(backs))
@@ -673,7 +523,7 @@ class MPIBackend(BaseBackend):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         try:
             if out_counts is None or in_counts is None:
-                req = self.comm.Ialltoall(inp if e.direct else [inp, e.mpi], out if e.direct else [out, e.mpi])
+                req = self._ialltoall([inp, e.mpi], [out, e.mpi])
             else:
                 req = self.comm.Ialltoallv(
                     [inp, list(in_counts), displacements(in_counts), e.mpi],

@@ -23,6 +23,7 @@ the MPI backend in one of two ways:
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any, Sequence
 
@@ -136,16 +137,16 @@ class MPIDeviceBackend(BaseBackend):
 
     def __init__(self, inner: MPIBackend, owns_inner: bool = False) -> None:
         """Wrap ``inner``; ``owns_inner``: this is the group's only backend (``cuda:mpi``), shut both down."""
+        super().__init__(inner.rank, inner.size, inner.timeout_s, inner.group_name, inner.global_ranks)
         self.inner = inner
         self.owns_inner = owns_inner
 
-    # the inner backend's identity and counters are the group's
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-    timeout_s = property(lambda self: self.inner.timeout_s)
-    group_name = property(lambda self: self.inner.group_name)
-    seq = property(lambda self: self.inner.seq)
-    p2p_seq = property(lambda self: self.inner.p2p_seq)
+    # every call runs on the inner backend: its counters and state are the group's
+    def calls_issued(self) -> int:
+        return self.inner.calls_issued()
+
+    def p2p_calls_issued(self) -> int:
+        return self.inner.p2p_calls_issued()
 
     def pending(self) -> bool:
         return self.inner.pending()
@@ -251,6 +252,15 @@ class MPIDeviceBackend(BaseBackend):
         return w
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning raised here at the program's call into mpidist."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1  # the warning is issued one frame up, in _staging_allowed
+    while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _staging_allowed(fn: str) -> None:
     """Apply ``MPIDIST_DEVICE_STAGING`` (warn once, quiet, or error) before staging device arrays."""
     mode = os.environ.get("MPIDIST_DEVICE_STAGING", "warn").strip().lower()
@@ -272,5 +282,5 @@ def _staging_allowed(fn: str) -> None:
             "this costs two copies per array (use the nccl backend or a CUDA-aware MPI; "
             "MPIDIST_DEVICE_STAGING=quiet silences this warning, =error forbids staging)",
             DeviceStagingWarning,
-            stacklevel=5,  # the user's call
+            stacklevel=_caller_level(),
         )
