@@ -33,8 +33,8 @@ import torch
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist import _arrays
 from mpidist._world import world
+from mpidist.arrays import host as _arrays
 from mpidist.reduce_op import ReduceOp
 
 SUM = ReduceOp.SUM

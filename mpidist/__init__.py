@@ -13,9 +13,7 @@ Run a program under an MPI launcher and use it as you would torch.distributed::
 ``mpiexec -n 4 python script.py``
 """
 
-from . import _boot  # noqa: F401  (first: decides when MPI is initialized, see _boot.py)
 from ._version import __version__
-from .abort import abort_process_group, install_excepthook
 from .backends import Backend, BackendOptions, BaseBackend
 from .barriers import monitored_barrier
 from .collectives import (
@@ -37,7 +35,7 @@ from .collectives import (
     scatter,
 )
 from .data import DistributedSampler
-from .debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
+from .diagnose.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, RankNotInGroupError
 from .groups import (
     get_global_rank,
@@ -66,6 +64,8 @@ from .init import (
     is_torchelastic_launched,
     is_ucc_available,
 )
+from .launch import boot  # noqa: F401  (first: decides when MPI is initialized, see launch/boot.py)
+from .launch.abort import abort_process_group, install_excepthook
 from .objects import (
     all_gather_object,
     broadcast_object_list,

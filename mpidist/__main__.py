@@ -19,8 +19,8 @@ from __future__ import annotations
 import runpy
 import sys
 
-from ._boot import launched_by_mpi
-from .abort import install_excepthook
+from .launch.abort import install_excepthook
+from .launch.boot import launched_by_mpi
 from .launch.environment import fill_environment
 
 USAGE = "usage: python -m mpidist script.py [args...] | python -m mpidist -m module [args...]"

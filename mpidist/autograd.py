@@ -17,7 +17,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "mpidist.autograd needs torch (pip install 'mpidist[torch]'); the rest of mpidist works without it"
     ) from exc
 
-from ._arrays import array_or_tensor_arg
+from .arrays.host import array_or_tensor_arg
 from .collectives import all_gather_into_tensor, all_reduce
 from .process_group import ProcessGroup, resolve_group
 from .reduce_op import ReduceOp

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._arrays import (
+from ._validate import timeout_seconds
+from ._world import world
+from .arrays.host import (
     DTYPES,
     as_host_array,
     prepare_inout,
@@ -24,8 +26,6 @@ from ._arrays import (
     prepare_output_list,
     prepare_pair,
 )
-from ._validate import timeout_seconds
-from ._world import world
 from .errors import RankNotInGroupError
 from .process_group import ProcessGroup, absent, rank_int, resolve_group
 from .reduce_op import ReduceOp, check_op

@@ -15,15 +15,15 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from ._boot import launched_by_mpi, mpi_initialized, start_mpi
 from ._validate import env_flag, int_arg, timeout_arg
 from ._world import InitInfo, world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
-from .debug import set_debug_level_from_env
+from .diagnose.debug import set_debug_level_from_env
 from .errors import DistBackendError
 from .groups import make_group
+from .launch.boot import launched_by_mpi, mpi_initialized, start_mpi
+from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, resolve_group
-from .rendezvous import launch_free_world, plan_from
 from .work import poll
 
 __all__ = [

@@ -12,8 +12,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
-from ._arrays import prepare_input, prepare_output
 from ._world import world
+from .arrays.host import prepare_input, prepare_output
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
 from .work import Work

@@ -9,11 +9,11 @@ from typing import Any, Callable, Optional
 
 from numpy import ndarray
 
-from ._arrays import Buffer
-from ._device import DeviceArray
 from ._world import world
+from .arrays.device import DeviceArray
+from .arrays.host import Buffer
 from .backends.base import BaseBackend
-from .debug import DebugBackend
+from .diagnose.debug import DebugBackend
 from .errors import RankNotInGroupError
 from .work import Work
 
@@ -46,7 +46,7 @@ class ProcessGroup:
     global ranks in group-rank order.
 
     It is the one place a call is routed: each collective has a method here that
-    takes prepared arrays (``mpidist._arrays.prepare_*``) and group ranks, picks
+    takes prepared arrays (``mpidist.arrays.host.prepare_*``) and group ranks, picks
     the backend (host arrays: the host backend; device arrays: the device backend;
     the debug wrapper while the debug level is above OFF) and makes one call.
     The backends are fixed when the group is made; only a device backend that

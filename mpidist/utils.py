@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import DTYPES, array_or_tensor_arg, new_like
 from ._validate import int_arg
+from .arrays.host import DTYPES, array_or_tensor_arg, new_like
 from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
 from .launch.environment import free_port

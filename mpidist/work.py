@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from . import stall
 from ._validate import timeout_seconds
+from .diagnose import stall
 
 __all__ = ["Work", "Future", "poll", "poll_slowly", "timeout_seconds", "SPINS_IDLE_CORES", "SPINS_OVERSUBSCRIBED"]
 
@@ -53,7 +53,7 @@ def poll(
     busy, as MPI_Wait does.
 
     ``activity`` (group, op, seq) is what this rank reports, while the wait is slow,
-    to a rank that timed out and asks (see ``stall.py``).
+    to a rank that timed out and asks (see ``diagnose/stall.py``).
     """
     while not test():
         spins -= 1

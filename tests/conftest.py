@@ -1,5 +1,5 @@
 """Test harness: mpidist's own pytest plugin (collective pass/fail, a session
-process group, quiet ranks; see mpidist/testing.py) plus a few fixtures.
+process group, quiet ranks; see mpidist/testing/) plus a few fixtures.
 
 Run under ``mpiexec -n N python -m pytest --with-mpi`` for N = 1..4.
 """

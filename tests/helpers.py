@@ -19,8 +19,8 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._standin import HostCudaArray
 from mpidist.launch.environment import free_port  # noqa: F401 - re-exported for the tests
+from mpidist.testing.standin import HostCudaArray
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -13,7 +13,7 @@
 * :class:`FakeRuntime` is the backend's runtime adapter with fake streams (integer
   handles) and events that complete at once, unless ``hold`` is set: then they stay
   pending until :meth:`FakeRuntime.release`. Device copies and arithmetic run at
-  once through :class:`mpidist._device.HostOps`. Everything is logged in order.
+  once through :class:`mpidist.testing.standin.HostOps`. Everything is logged in order.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._device import DeviceArray, HostOps
+from mpidist.arrays.device import DeviceArray
 from mpidist.backends._cuda import CudaRuntime
+from mpidist.testing.standin import HostOps
 
 HOST_OPS = HostOps()
 CURRENT_STREAM = 7  # what the fake runtime calls the current stream

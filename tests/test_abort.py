@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpidist.abort import ABORT_CODE
+from mpidist.launch.abort import ABORT_CODE
 
 RANK = MPI.COMM_WORLD.Get_rank()
 REPO = Path(__file__).resolve().parents[1]

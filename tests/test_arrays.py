@@ -1,4 +1,4 @@
-"""Array validation and staging: clear errors for bad inputs, and the mpidist._arrays helpers.
+"""Array validation and staging: clear errors for bad inputs, and the mpidist.arrays.host helpers.
 
 Every bad-input case raises on every rank before any communication, with a message that
 names the function and the argument; the group must work normally afterwards. Mismatches
@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist import _arrays
 from mpidist._world import world
+from mpidist.arrays import host as _arrays
 
 from helpers import check_raises, fail_together
 
@@ -583,7 +583,7 @@ def test_src_and_group_src_together(call, match):
     expect_error_then_working_group(ValueError, match, call)
 
 
-# -- mpidist._arrays ---------------------------------------------------------------------
+# -- mpidist.arrays.host ---------------------------------------------------------------------
 
 
 class CopyCounter:

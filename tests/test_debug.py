@@ -22,7 +22,7 @@ import pytest
 
 import mpidist as dist
 from mpidist.backends.mpi import MPIBackend
-from mpidist.debug import Call, DebugBackend, verdict
+from mpidist.diagnose.debug import Call, DebugBackend, verdict
 from mpidist.errors import DistBackendError, DistError
 from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 

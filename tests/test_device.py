@@ -15,10 +15,11 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._device import DeviceArray, HostOps, mpi_cuda_aware
 from mpidist._world import world
+from mpidist.arrays.device import DeviceArray, mpi_cuda_aware
 from mpidist.backends.mpi_device import DeviceStagingWarning
 from mpidist.testing import HostCudaArray
+from mpidist.testing.standin import HostOps
 
 from helpers import BF16, check_raises, fail_together, rank_input, reference
 

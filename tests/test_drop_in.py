@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpidist._boot import launched_by_mpi
 from mpidist.launch import run
+from mpidist.launch.boot import launched_by_mpi
 from mpidist.launch.environment import launcher_environment, torchrun_environment
 
 from helpers import clean_env, fail_together, free_port

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 from mpi4py import MPI
 
-from mpidist import pmi, rendezvous
 from mpidist.init import _claims
+from mpidist.launch import pmi, rendezvous
 
 from helpers import clean_env, free_port, run_plain_world
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 from mpi4py import MPI
 
-from mpidist._boot import launched_by_mpi
+from mpidist.launch.boot import launched_by_mpi
 from mpidist.launch.environment import fill_environment
 
 from helpers import clean_env, fail_together, free_port, run_plain_world

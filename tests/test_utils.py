@@ -260,7 +260,7 @@ def test_all_gather_ddp_bad_arguments(initialized, no_group, make):
 
 
 def test_utilities_reject_tensors_mpidist_cannot_send(torch):
-    """Tensor errors come from mpidist._arrays and name the utility and its argument; nothing is sent."""
+    """Tensor errors come from mpidist.arrays.host and name the utility and its argument; nothing is sent."""
     before = seq()
     calls = [
         ("all_gather_ddp_if_available", "tensor", dist.all_gather_ddp_if_available),

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .._device import BFLOAT16, CupyOps, DeviceArray, DeviceOps
 from .._world import world
+from ..arrays.device import BFLOAT16, CupyOps, DeviceArray, DeviceOps
 from ..errors import DistBackendError
 from ..work import poll
 

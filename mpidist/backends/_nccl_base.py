@@ -20,10 +20,10 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .._arrays import DTYPES
-from .._device import DeviceArray
 from .._validate import env_flag
 from .._world import world
+from ..arrays.device import DeviceArray
+from ..arrays.host import DTYPES
 from ..errors import DistBackendError, DistError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, factor_value, invalid_op_error, resolve
 from ..work import poll

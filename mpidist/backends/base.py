@@ -1,7 +1,7 @@
 """The interface every backend implements.
 
 Collectives validate their arguments, translate ranks to group ranks and
-prepare arrays (``mpidist._arrays``) before calling a backend, so a backend
+prepare arrays (``mpidist.arrays.host``) before calling a backend, so a backend
 method receives:
 
 * C-contiguous numpy arrays of a supported dtype (for device backends later:
@@ -24,9 +24,10 @@ from typing import Any, ContextManager, Sequence
 
 import numpy as np
 
-from .. import abort, stall
 from .._world import world
+from ..diagnose import stall
 from ..errors import DistBackendError
+from ..launch import abort
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
 
 

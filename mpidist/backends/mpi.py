@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import _arrays
-from .._arrays import displacements
 from .._world import world
+from ..arrays import host as _arrays
+from ..arrays.host import displacements
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
 from ..work import Work, poll
 from .base import BaseBackend

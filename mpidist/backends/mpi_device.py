@@ -1,7 +1,7 @@
 """Device arrays over the MPI backend: CUDA-aware MPI, or staging through pinned host memory.
 
 :class:`MPIDeviceBackend` wraps a group's :class:`~mpidist.backends.mpi.MPIBackend`
-and takes the same calls with :class:`~mpidist._device.DeviceArray` arguments
+and takes the same calls with :class:`~mpidist.arrays.device.DeviceArray` arguments
 (host arrays may be mixed in). Each device array becomes a host-side message for
 the MPI backend in one of two ways:
 
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .._arrays import overlapping_pair, refuse_overlapping_outputs
-from .._device import DeviceArray, mpi_cuda_aware
 from .._world import world
+from ..arrays.device import DeviceArray, mpi_cuda_aware
+from ..arrays.host import overlapping_pair, refuse_overlapping_outputs
 from ..reduce_op import RedOpType
 from ..work import Work
 from .base import BaseBackend

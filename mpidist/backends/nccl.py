@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .._arrays import displacements
-from .._device import DeviceArray
 from .._world import world
+from ..arrays.device import DeviceArray
+from ..arrays.host import displacements
 from ._cuda import CudaRuntime
 from ._cuda_work import CudaWork
 from ._nccl_base import _F32, NCCLBase, _consecutive, _overlap, _same_memory, on_device
@@ -62,7 +62,7 @@ class NCCLBackend(NCCLBase):
 
         >>> backend = NCCLBackend(MPI.COMM_WORLD.Dup(), timeout_s=60.0)
         >>> x = cupy.ones(4)
-        >>> backend.all_reduce(mpidist._arrays.prepare_input(x, "f", "x"), None, ReduceOp.SUM, False)
+        >>> backend.all_reduce(mpidist.arrays.host.prepare_input(x, "f", "x"), None, ReduceOp.SUM, False)
     """
 
     def __init__(

@@ -123,7 +123,7 @@ def nccl_available() -> bool:
 
 def nccl_usable(arr: Any) -> bool:
     """True if ``arr`` (a DeviceArray) is GPU memory that NCCL can reach from here."""
-    from .._device import CupyOps
+    from ..arrays.device import CupyOps
 
     return isinstance(arr.ops, CupyOps) and nccl_available()
 

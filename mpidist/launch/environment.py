@@ -133,7 +133,7 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
     ``MASTER_PORT`` is rank 0's ``MASTER_PORT`` if it has one, else a free port
     there. Nodes are numbered by their lowest rank.
     """
-    from .._boot import start_mpi
+    from .boot import start_mpi
 
     mpi = start_mpi()
     own = comm is None

@@ -19,7 +19,7 @@ import importlib
 import os
 from typing import Any, Callable, Iterator
 
-from .._boot import launched_by_mpi
+from ..launch.boot import launched_by_mpi
 from ..launch.environment import fill_environment
 
 __all__ = ["install", "NEEDED"]

@@ -328,7 +328,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
 
     def abort(self) -> None:
         """End the job (``MPI_Abort``): MPI cannot abort one group alone."""
-        from ..abort import abort_process_group
+        from ..launch.abort import abort_process_group
 
         abort_process_group(self._main)
 

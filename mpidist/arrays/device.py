@@ -10,7 +10,7 @@ between host and device, scaling in place) goes through a :class:`DeviceOps`:
 
 * :class:`CupyOps` drives a real GPU through cupy (``pip install mpidist[gpu]``);
 * an array type may bring its own ops in a ``__mpidist_device_ops__`` attribute:
-  :class:`mpidist.testing.HostCudaArray` brings :class:`HostOps`, whose "device"
+  :class:`mpidist.testing.HostCudaArray` brings ``mpidist.testing.standin.HostOps``, whose "device"
   memory is host memory, so every device path runs on a machine without a GPU.
 
 :func:`mpi_cuda_aware` tells whether the MPI library takes device pointers.
@@ -18,28 +18,20 @@ between host and device, scaling in place) goes through a :class:`DeviceOps`:
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import importlib
 from typing import Any
 
 import numpy as np
 
-from ._validate import env_flag
-from ._world import world
-from .reduce_op import divide_average
-
-try:
-    import ml_dtypes as _ml_dtypes
-
-    BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    BFLOAT16 = None
+from .._validate import env_flag
+from .._world import world
+from ..reduce_op import divide_average
+from .dtypes import BFLOAT16
 
 __all__ = [
     "DeviceArray",
     "DeviceOps",
-    "HostOps",
     "CupyOps",
     "from_cuda_interface",
     "from_torch_cuda",
@@ -78,7 +70,7 @@ class DeviceArray:
         self.ptr = ptr
         self.shape = shape
         self.dtype = dtype
-        self.strides = None if strides is None or strides == _c_strides(shape, dtype.itemsize) else strides
+        self.strides = None if strides is None or strides == c_strides(shape, dtype.itemsize) else strides
         self.device = device
         self.stream = stream
         self.owner = owner
@@ -139,7 +131,7 @@ class DeviceArray:
         return f"DeviceArray({self.dtype.name}[{dims}] on {self.ops.name}:{self.device})"
 
 
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     strides = []
     step = itemsize
     for s in reversed(shape):
@@ -148,7 +140,7 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
     """Byte offsets (lowest, one past highest) an array touches relative to its pointer."""
     if any(s == 0 for s in shape):
         return 0, 0
@@ -195,59 +187,6 @@ class DeviceOps:
         raise NotImplementedError
 
 
-class HostOps(DeviceOps):
-    """Device ops for "device" arrays whose memory is host memory (tests without a GPU).
-
-    Records the streams of the last synchronizations it was asked for (``syncs``, the
-    newest 1024), so tests can check that a backend waits for the producer before it
-    touches the memory.
-    """
-
-    name = "host-standin"
-
-    def __init__(self) -> None:
-        self.syncs: collections.deque[int | None] = collections.deque(maxlen=1024)
-
-    def view(self, arr: DeviceArray) -> np.ndarray:
-        """Return a numpy view of the array's memory (possible only because it is host memory)."""
-        if arr.size == 0:
-            return np.empty(arr.shape, arr.dtype)
-        from mpi4py import MPI
-
-        strides = arr.strides or _c_strides(arr.shape, arr.dtype.itemsize)
-        lo, hi = _extent(arr.shape, strides, arr.dtype.itemsize)
-        buf = MPI.buffer.fromaddress(arr.ptr + lo, hi - lo, readonly=False)
-        return np.ndarray(arr.shape, arr.dtype, buffer=buf, offset=-lo, strides=strides)
-
-    def synchronize(self, arr: DeviceArray) -> None:
-        self.syncs.append(arr.stream)
-
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype, device: int) -> DeviceArray:
-        host = np.empty(shape, dtype)
-        return DeviceArray(host.ctypes.data, tuple(shape), dtype, None, device, None, host, self)
-
-    def copy(self, dst: DeviceArray, src: DeviceArray) -> None:
-        np.copyto(self.view(dst), self.view(src).reshape(dst.shape), casting="no")
-
-    def to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
-        self.synchronize(src)
-        np.copyto(dst, self.view(src).reshape(dst.shape), casting="no")
-
-    def to_device(self, dst: DeviceArray, src: np.ndarray) -> None:
-        self.synchronize(dst)  # as CupyOps: the copy is ordered on the array's stream, then waited for
-        np.copyto(self.view(dst), src.reshape(dst.shape), casting="no")
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
-
-    def scale(self, arr: DeviceArray, factor: float) -> None:
-        v = self.view(arr)
-        np.multiply(v, factor, out=v, casting="unsafe")
-
-    def divide(self, arr: DeviceArray, n: int) -> None:
-        divide_average(self.view(arr), n, np)
-
-
 class CupyOps(DeviceOps):
     """Device ops through cupy: streams, copies and arithmetic on a real GPU."""
 
@@ -260,8 +199,8 @@ class CupyOps(DeviceOps):
         """Return a cupy array over the same memory (bfloat16 as int16 bits: cupy has no bfloat16)."""
         cp = self.cp
         dtype = np.dtype(np.int16) if arr.dtype == BFLOAT16 else arr.dtype
-        strides = arr.strides or _c_strides(arr.shape, arr.dtype.itemsize)
-        lo, hi = _extent(arr.shape, strides, arr.dtype.itemsize)
+        strides = arr.strides or c_strides(arr.shape, arr.dtype.itemsize)
+        lo, hi = extent(arr.shape, strides, arr.dtype.itemsize)
         mem = cp.cuda.UnownedMemory(arr.ptr + lo, max(hi - lo, 1), arr.owner, arr.device)
         return cp.ndarray(arr.shape, dtype, cp.cuda.MemoryPointer(mem, -lo), strides=strides)
 

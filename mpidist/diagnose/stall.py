@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ._world import world
+from .._world import world
 
 __all__ = ["waiting", "serve", "survey", "explain"]
 

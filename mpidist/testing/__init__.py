@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from ._standin import HostCudaArray
+from .standin import HostCudaArray
 
 __all__ = ["vote", "init_default_group", "calls_issued", "HostCudaArray"]
 
@@ -45,7 +45,7 @@ class _Voter:
     @classmethod
     def get(cls):
         if cls.comm is None:
-            from ._boot import start_mpi
+            from ..launch.boot import start_mpi
 
             cls.comm = start_mpi().COMM_WORLD.Dup()
         return cls.comm
@@ -74,7 +74,7 @@ def backend_of(group: Any = None, device: str = "cpu") -> Any:
 
 
 def _member(group: Any, fn: str) -> Any:
-    from .process_group import resolve_group
+    from ..process_group import resolve_group
 
     pg = resolve_group(group, fn)
     if pg is None:

@@ -21,7 +21,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from ._world import world
+from .._world import world
 
 __all__ = ["abort_process_group", "install_excepthook", "excepthook", "rank_label"]
 

@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
-from ._world import world
+from .._world import world
 
 __all__ = ["Plan", "plan_from", "store_for", "launch_free_world", "agent_store_in_use", "join_agent_store"]
 
@@ -81,7 +81,7 @@ def plan_from(init_method: str | None, store: Any, claims: list[tuple[str, str, 
 
 def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: str) -> Any:
     """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore; torchrun's agent's)."""
-    from .store import FileStore, TCPStore
+    from ..store import FileStore, TCPStore
 
     if plan.scheme == "file":
         return FileStore(plan.path, world_size)
@@ -109,8 +109,8 @@ def join_agent_store(host: str, port: int, world_size: int, timeout: timedelta, 
             f"{fn}: TORCHELASTIC_USE_AGENT_STORE is set (torchrun), but torch is not importable to join the "
             "agent's store; install torch in this environment or start the processes with mpiexec"
         ) from exc
-    from .store import PrefixStore
-    from .store.foreign import ForeignStore
+    from ..store import PrefixStore
+    from ..store.foreign import ForeignStore
 
     agent = tdist.TCPStore(host, port, world_size, False, timeout)  # a client: the agent is the server
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
@@ -151,7 +151,7 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
 
 
 def _require_pmi1(fn: str) -> None:
-    from mpi4py import MPI  # not initialized yet (see _boot.py)
+    from mpi4py import MPI  # not initialized yet (see boot.py)
 
     library = MPI.Get_library_version()
     if "MPICH" not in library and "Intel(R) MPI" not in library:

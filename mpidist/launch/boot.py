@@ -39,7 +39,7 @@ def defer_mpi_init() -> None:
     """Without a launcher, keep mpi4py from initializing MPI until ``start_mpi``."""
     if "mpi4py.MPI" in sys.modules or launched_by_mpi():
         return
-    from ._validate import env_flag  # stdlib only: safe before mpi4py.MPI
+    from .._validate import env_flag  # stdlib only: safe before mpi4py.MPI
 
     if env_flag("MPIDIST_EAGER_MPI_INIT"):
         return
@@ -80,7 +80,7 @@ def fill_launcher_environment() -> None:
     """
     if not launched_by_mpi():
         return
-    from .launch.environment import fill_environment, launcher_environment
+    from .environment import fill_environment, launcher_environment
 
     fill_environment(launcher_environment())
 

@@ -31,9 +31,9 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
-from ._world import world
-from .backends.base import BaseBackend
-from .errors import DistError
+from .._world import world
+from ..backends.base import BaseBackend
+from ..errors import DistError
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
 
@@ -279,7 +279,7 @@ class DebugBackend(BaseBackend):
         return result
 
     def _check(self, call: Call) -> None:
-        from .objects import gather_all
+        from ..objects import gather_all
 
         calls = gather_all(self.pg.control, call)
         reason = verdict(calls)

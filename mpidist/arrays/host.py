@@ -17,7 +17,7 @@ Array kinds (:func:`_adapt`):
   strides kept, so results land in the caller's tensor); requires_grad ignored
   for the data, as in torch.distributed;
 * GPU memory (cupy and numba arrays, torch CUDA tensors, CUDA DLPack exporters):
-  a :class:`~mpidist._device.DeviceArray`. Backends take it as they take numpy
+  a :class:`~mpidist.arrays.device.DeviceArray`. Backends take it as they take numpy
   arrays; a non-contiguous one is staged through a contiguous device copy.
 """
 
@@ -28,15 +28,11 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ._device import DLPACK_CPU, DLPACK_CUDA, DeviceArray, from_cuda_interface, from_dlpack, from_torch_cuda
-from ._world import world
+from .._world import world
+from .device import DLPACK_CPU, DLPACK_CUDA, DeviceArray, from_cuda_interface, from_dlpack, from_torch_cuda
+from .dtypes import BFLOAT16, DTYPES, TYPESTR, DtypeInfo, describe, dtype_info
 
 _asarray = np.asarray
-
-try:  # bfloat16 for numpy comes from ml_dtypes (a dependency)
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
-    _ml_dtypes = None
 
 __all__ = [
     "DtypeInfo",
@@ -66,65 +62,6 @@ Buffer = Union[ndarray, DeviceArray]
 _KINDS = "numpy.ndarray, torch.Tensor, or a CUDA array with __cuda_array_interface__ or DLPack"
 
 
-class DtypeInfo:
-    """What mpidist knows about one supported element type, backend-neutral."""
-
-    __slots__ = ("dtype", "kind", "name")
-
-    def __init__(self, dtype: np.dtype, kind: str) -> None:
-        self.dtype = dtype
-        self.kind = kind  # 'b' bool, 'i' signed, 'u' unsigned, 'f' floating, 'c' complex
-        self.name = dtype.name
-
-    def __repr__(self) -> str:
-        return f"DtypeInfo({self.name}, kind={self.kind!r})"
-
-
-def _supported() -> dict[np.dtype, DtypeInfo]:
-    kinds = {
-        np.bool_: "b",
-        np.int8: "i", np.int16: "i", np.int32: "i", np.int64: "i",
-        np.uint8: "u", np.uint16: "u", np.uint32: "u", np.uint64: "u",
-        np.float16: "f", np.float32: "f", np.float64: "f",
-        np.complex64: "c", np.complex128: "c",
-    }  # fmt: skip
-    table = {np.dtype(t): DtypeInfo(np.dtype(t), k) for t, k in kinds.items()}
-    if _ml_dtypes is not None:
-        bf16 = np.dtype(_ml_dtypes.bfloat16)
-        table[bf16] = DtypeInfo(bf16, "f")
-    return table
-
-
-#: The supported element types (constant after import).
-DTYPES: dict[np.dtype, DtypeInfo] = _supported()
-#: numpy's ``__array_interface__`` type string of each supported dtype (``dtype.str`` costs 0.1 us a call)
-_TYPESTR: dict[np.dtype, str] = {d: d.str for d in DTYPES}
-
-
-def describe(x: Any) -> str:
-    """Return a short description such as ``float64[4, 2]`` for messages and traces."""
-    dtype = getattr(x, "dtype", None)
-    shape = getattr(x, "shape", None)
-    if dtype is None or shape is None:
-        return type(x).__name__
-    return f"{getattr(dtype, 'name', dtype)}[{', '.join(str(int(s)) for s in shape)}]"
-
-
-def dtype_info(dtype: np.dtype, fn: str, arg: str) -> DtypeInfo:
-    """Return the DtypeInfo of ``dtype`` or raise a TypeError that says why it is unsupported."""
-    info = DTYPES.get(dtype)
-    if info is not None:
-        return info
-    if dtype.byteorder not in "=|" and dtype.newbyteorder("=") in DTYPES:
-        raise TypeError(
-            f"{fn}: {arg} has non-native byte order ({dtype.str}); convert it with "
-            "arr.astype(arr.dtype.newbyteorder('='))"
-        )
-    names = ", ".join(sorted(i.name for i in DTYPES.values()))
-    what = "object" if dtype.kind == "O" else ("structured" if dtype.fields else dtype.name)
-    raise TypeError(f"{fn}: {arg} has dtype {what}, which mpidist does not send; supported: {names}")
-
-
 def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
     """torch dtype -> numpy dtype, for the dtypes mpidist sends (built once per process)."""
     table = world.torch_dtypes
@@ -136,8 +73,8 @@ def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
             "complex64": np.complex64, "complex128": np.complex128,
         }  # fmt: skip
         table = {getattr(torch, n): np.dtype(t) for n, t in names.items() if hasattr(torch, n)}
-        if _ml_dtypes is not None:
-            table[torch.bfloat16] = np.dtype(_ml_dtypes.bfloat16)
+        if BFLOAT16 is not None:
+            table[torch.bfloat16] = BFLOAT16
         world.torch_dtypes = table
     return table
 
@@ -158,7 +95,7 @@ def _cpu_tensor_view(t: Any, dtype: np.dtype) -> ndarray:
     """numpy view of a dense CPU tensor's memory (zero-copy, strides kept, storage left resizable)."""
     memory = _TensorMemory()
     memory.tensor = t
-    iface = {"data": (t.data_ptr(), False), "shape": t.shape, "typestr": _TYPESTR[dtype], "version": 3}
+    iface = {"data": (t.data_ptr(), False), "shape": t.shape, "typestr": TYPESTR[dtype], "version": 3}
     if not t.is_contiguous():
         size = dtype.itemsize
         iface["strides"] = tuple(s * size for s in t.stride())
