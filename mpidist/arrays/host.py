@@ -24,7 +24,7 @@ Array kinds (:func:`_adapt`):
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -268,30 +268,32 @@ def _check_writeable(a: ndarray, fn: str, arg: str) -> None:
         raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
 
 
-def prepare_inout(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
-    """Return ``(buffer, target)``: a contiguous buffer holding ``x``'s data.
+def _writable_preparer(keep_data: bool) -> Callable[[Any, str, str], tuple[Buffer, Buffer | None]]:
+    """Make :func:`prepare_inout` (``keep_data``) and :func:`prepare_output`: one body, no extra call per use."""
+
+    def prepare(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
+        if type(x) is not ndarray:
+            x = host_view(x)
+        if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
+            f = x.flags
+            if f.c_contiguous and f.writeable:
+                return x, None
+        return _prepare_writable(x, fn, arg, keep_data)
+
+    return prepare
+
+
+prepare_inout = _writable_preparer(keep_data=True)
+prepare_inout.__name__ = prepare_inout.__qualname__ = "prepare_inout"
+prepare_inout.__doc__ = """Return ``(buffer, target)``: a contiguous buffer holding ``x``'s data.
 
     ``target`` is None when the buffer is ``x`` itself, else the array to copy
     the result into with :func:`write_back` once the operation completes.
     """
-    if type(x) is not ndarray:
-        x = host_view(x)
-    if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
-        f = x.flags
-        if f.c_contiguous and f.writeable:
-            return x, None
-    return _prepare_writable(x, fn, arg, keep_data=True)
 
-
-def prepare_output(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
-    """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
-    if type(x) is not ndarray:
-        x = host_view(x)
-    if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
-        f = x.flags
-        if f.c_contiguous and f.writeable:
-            return x, None
-    return _prepare_writable(x, fn, arg, keep_data=False)
+prepare_output = _writable_preparer(keep_data=False)
+prepare_output.__name__ = prepare_output.__qualname__ = "prepare_output"
+prepare_output.__doc__ = """Like :func:`prepare_inout`, for pure outputs: a staged buffer is left uninitialised."""
 
 
 def prepare_pair(out: Any, inp: Any, fn: str, out_arg: str, in_arg: str) -> tuple[Buffer, Buffer | None, Buffer]:

@@ -177,3 +177,38 @@ class BaseBackend(ABC):
     @abstractmethod
     def recv(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """``peer`` None receives from any rank; ``Work.source_rank()`` tells which."""
+
+
+class WrapperBackend(BaseBackend):
+    """A backend that runs every call through another one (``inner``), adding work around it.
+
+    Its identity and state are the inner backend's: the call counters, what is still
+    pending, its description. ``DebugBackend`` (tracing, DETAIL checks) and
+    ``MPIDeviceBackend`` (device arrays over MPI) are wrappers.
+    """
+
+    def __init__(self, inner: BaseBackend) -> None:
+        super().__init__(inner.rank, inner.size, inner.timeout_s, inner.group_name, inner.global_ranks)
+        self.inner = inner
+        self.name = inner.name
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def calls_issued(self) -> int:
+        return self.inner.calls_issued()
+
+    def p2p_calls_issued(self) -> int:
+        return self.inner.p2p_calls_issued()
+
+    def pending(self) -> bool:
+        return self.inner.pending()
+
+    def takes(self, arr: Any) -> bool:
+        return self.inner.takes(arr)
+
+    def coalescing(self) -> ContextManager[None]:
+        return self.inner.coalescing()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()

@@ -35,7 +35,7 @@ from ..arrays.device import DeviceArray, mpi_cuda_aware
 from ..arrays.host import overlapping_pair, refuse_overlapping_outputs
 from ..reduce_op import RedOpType
 from ..work import Work
-from .base import BaseBackend
+from .base import WrapperBackend
 from .mpi import MPIBackend, type_table
 
 __all__ = ["MPIDeviceBackend", "DeviceStagingWarning"]
@@ -130,33 +130,22 @@ def _devices(*groups: Any) -> list[DeviceArray]:
     return found
 
 
-class MPIDeviceBackend(BaseBackend):
+class MPIDeviceBackend(WrapperBackend):
     """Device arrays through a group's MPI backend (see the module docstring)."""
 
     name = "mpi"
 
     def __init__(self, inner: MPIBackend, owns_inner: bool = False) -> None:
         """Wrap ``inner``; ``owns_inner``: this is the group's only backend (``cuda:mpi``), shut both down."""
-        super().__init__(inner.rank, inner.size, inner.timeout_s, inner.group_name, inner.global_ranks)
-        self.inner = inner
+        super().__init__(inner)
         self.owns_inner = owns_inner
 
-    # every call runs on the inner backend: its counters and state are the group's
-    def calls_issued(self) -> int:
-        return self.inner.calls_issued()
-
-    def p2p_calls_issued(self) -> int:
-        return self.inner.p2p_calls_issued()
-
-    def pending(self) -> bool:
-        return self.inner.pending()
+    def takes(self, arr: Any) -> bool:
+        return True  # any device array: CUDA-aware MPI takes GPU memory, else it is staged
 
     def shutdown(self) -> None:
         if self.owns_inner:
             self.inner.shutdown()
-
-    def describe(self) -> str:
-        return self.inner.describe()
 
     # -- choosing direct or staged ----------------------------------------------------------
     def _call(self, fn: str, arrays: list[DeviceArray], op: Any = None) -> _Call:

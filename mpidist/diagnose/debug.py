@@ -27,12 +27,12 @@ import logging
 import os
 import time
 from enum import IntEnum
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .._world import world
-from ..backends.base import BaseBackend
+from ..backends.base import BaseBackend, WrapperBackend
 from ..errors import DistError
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
@@ -228,7 +228,7 @@ def verdict(calls: list[Call]) -> str | None:
     return None
 
 
-class DebugBackend(BaseBackend):
+class DebugBackend(WrapperBackend):
     """Wraps one backend of a group: traces each call (INFO) and checks it across ranks (DETAIL).
 
     Every group makes one for each of its backends when it makes the backend, and
@@ -237,32 +237,8 @@ class DebugBackend(BaseBackend):
     """
 
     def __init__(self, inner: BaseBackend, pg: Any) -> None:
-        super().__init__(inner.rank, inner.size, inner.timeout_s, inner.group_name, inner.global_ranks)
-        self.inner = inner
+        super().__init__(inner)
         self.pg = pg
-        self.name = inner.name
-
-    # -- the backend's identity and state are the inner backend's ------------------------
-    def describe(self) -> str:
-        return self.inner.describe()
-
-    def calls_issued(self) -> int:
-        return self.inner.calls_issued()
-
-    def p2p_calls_issued(self) -> int:
-        return self.inner.p2p_calls_issued()
-
-    def pending(self) -> bool:
-        return self.inner.pending()
-
-    def takes(self, arr: Any) -> bool:
-        return self.inner.takes(arr)
-
-    def coalescing(self) -> ContextManager[None]:
-        return self.inner.coalescing()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
     def _run(self, call: Call, nbytes: int, start: Callable[[], Any]) -> Any:
         if world.debug_level >= DebugLevel.DETAIL:
