@@ -108,8 +108,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     p = _Parser(
-        prog="python -m mpidist.bench",
+        prog=script if script.startswith("mpidist-bench") else "python -m mpidist.bench",
         description=__doc__.split("\n\n", 1)[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -258,7 +259,7 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
             "window": args.window, "check": args.check, "mpi_library": MPI.Get_library_version().strip(),
             "timing": "seconds per message: the slowest rank's batch time / messages, median over interleaved trials",
         }  # fmt: skip
-        table = Table(out or sys.stdout, n) if rank == 0 else None
+        table = Table(out or sys.stdout) if rank == 0 else None
         if table:
             _header(args, meta, table)
         rows: list[Row] = []
@@ -367,7 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         arrays, why = open_device(args.device, _world())
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group(backend=args.backend or "mpi")
+        backend = args.backend or "mpi"
+        try:
+            dist.init_process_group(backend=backend)
+        except Exception as exc:  # noqa: BLE001 - an unknown or unavailable backend: said once, as an option error
+            parser.error(
+                f"argument --backend: init_process_group(backend={backend!r}) failed: {type(exc).__name__}: {exc}"
+            )
     try:
         if arrays is None and not why:
             arrays, why = open_device(args.device, _world())

@@ -141,9 +141,8 @@ def _num(value: float | None, width: int, digits: int = 2) -> str:
 class Table:
     """Prints the nccl-tests-style table, one section per collective (rank 0 only)."""
 
-    def __init__(self, out: TextIO, ranks: int) -> None:
+    def __init__(self, out: TextIO) -> None:
         self.out = out
-        self.ranks = ranks
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
