@@ -3,7 +3,8 @@
 
     python3 dev.py example         # .venv with mpidist + MPICH, then mpiexec -n 4 examples/quickstart.py
     python3 dev.py test [ARGS]     # .venv with test tools, then the suite at world sizes 1, 2, 3, 4
-    python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, then the torch backend
+    python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, the mpidist.bench
+                                   # sweep (every collective, 8 B to 4 MiB, checked), then the torch backend
     python3 dev.py run-tests       # the suite with the current interpreter (used by tox and CI)
 
 Extra ARGS go to pytest (test) or the benchmark script (bench). Environment:
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 SIZE_TIMEOUT_S = 40 * 60
+#: `dev.py bench`'s sweep of `python -m mpidist.bench` (docs/performance.md): every collective, 8 B to 4 MiB
+BENCH_SWEEP = ["-b", "8", "-e", "4M", "-f", "8", "--check"]
 
 
 def say(msg: str) -> None:
@@ -116,6 +119,7 @@ def main(argv: list[str]) -> int:
     if cmd == "bench":
         python = setup("mpich,test", torch=True)
         rc = run(mpiexec(python) + ["-n", "2", python, ROOT / "benchmarks" / "bench_collectives.py", *args], cwd=ROOT)
+        rc = rc or run(mpiexec(python) + ["-n", "2", python, "-m", "mpidist.bench", *BENCH_SWEEP], cwd=ROOT)
         torch_bench = [python, ROOT / "benchmarks" / "bench_torch_backend.py"]
         return rc or run(mpiexec(python) + ["-n", "2", *torch_bench], cwd=ROOT)
     print(__doc__)
