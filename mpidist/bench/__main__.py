@@ -28,8 +28,9 @@ import sys
 from typing import Any, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
-from .cases import CASES, DTYPES, OPS, Context, Run, parse_dtype
+from .cases import CASES, DTYPES, OPS, Case, Context, Run, parse_dtype
 from .devices import DEVICES, open_device
 from .timing import Row, Table, format_bytes, time_run, write_json, write_plot
 
@@ -227,8 +228,6 @@ def check(run: Run, arrays: Any, ranks: int) -> dict[str, int]:
 
 # -- the run -----------------------------------------------------------------------------------
 def _header(args: argparse.Namespace, meta: dict[str, Any], table: Table) -> None:
-    from mpi4py import MPI
-
     mpi = " ".join(MPI.Get_library_version().split("\n")[0].split())
     iters = "auto (~64 MiB per batch, 20..1000 messages)" if args.iters is None else str(args.iters)
     table.say(f"# mpidist.bench: {meta['ranks']} ranks, backend {meta['backend']}, {meta['device_detail']}")
@@ -243,8 +242,6 @@ def _header(args: argparse.Namespace, meta: dict[str, Any], table: Table) -> Non
 
 def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None) -> tuple[int, list[Row]]:
     """Run every selected case over the sweep; return (exit status, rows). Collective: every rank calls it."""
-    from mpi4py import MPI
-
     from .._version import __version__
 
     comm = MPI.COMM_WORLD.Dup()
@@ -267,56 +264,26 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
         sizes = sweep(args.minbytes, args.maxbytes, args.stepfactor)
         for name in args.collectives:
             case = CASES[name]
-            factor = case.factor(n)
             if n < case.min_ranks:
                 if table:
                     table.say(f"\n# {name}: skipped, it needs at least {case.min_ranks} ranks")
                 continue
             if table:
-                table.section(name, case.summary, case.factor_text, factor)
-            seen: set[int] = set()
+                table.section(name, case.summary, case.factor_text, case.factor(n))
             missing = ""
-            for nbytes in sizes if case.sized else [0]:
-                count, size = case.layout(nbytes, dtype.itemsize, n)
-                if count in seen:  # rounding to whole elements per rank repeats a size
-                    continue
-                seen.add(count)
-                run = case.setup(ctx, count)
-                error, wrong = "", {}
-                try:
-                    if args.check:
-                        wrong = check(run, arrays, n)
-                    else:  # the first call, where mpidist refuses what it cannot do (on every rank alike)
-                        run.mpidist()
-                except Exception as exc:  # noqa: BLE001 - reported as an unsupported row on every rank
-                    error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                errors = [e for e in comm.allgather(error) if e]
-                if errors:
+            for count, size in _layouts(case, sizes, dtype.itemsize, n):
+                row, error = _measure(args, case, ctx, count, size)
+                if error:
                     if table:
-                        table.note(f"{format_bytes(size)}: mpidist cannot run this: {errors[0]}")
+                        table.note(f"{format_bytes(size)}: mpidist cannot run this: {error}")
                     status = 1
-                    break
-                row = Row(
-                    collective=name, bytes=size, count=count, dtype=dtype.name, op=args.op if case.reduces else "-",
-                    root=args.root if case.rooted else None, busbw_factor=factor if case.sized else 0.0,
-                    iters=0, messages_per_iter=case.per_iteration(ctx), note=run.raw_missing or "",
-                )  # fmt: skip
-                row.iters = args.iters or auto_iters(size, row.messages_per_iter)
-                if args.check:
-                    total = comm.allreduce(np.array([wrong["mpidist"], wrong.get("raw", 0)], np.int64))
-                    row.wrong_mpidist = int(total[0])
-                    row.wrong_raw = int(total[1]) if run.raw is not None else None
-                    if total.any():
-                        status = 1
-                calls = {"mpidist": run.mpidist}
-                if run.raw is not None:
-                    calls["raw"] = run.raw
-                row.set_times(time_run(calls, row.iters, args.warmup, args.trials, comm, arrays.synchronize))
+                    break  # the larger sizes fail alike
                 rows.append(row)
-                missing = run.raw_missing or missing
+                missing = missing or row.note
+                if (row.wrong_mpidist or 0) + (row.wrong_raw or 0):
+                    status = 1
                 if table:
                     table.row(row)
-                del run
             if table:
                 _section_footer(table, [r for r in rows if r.collective == name], missing)
         if table:
@@ -328,6 +295,54 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
         return status, rows
     finally:
         comm.Free()
+
+
+def _layouts(case: Case, sizes: list[int], itemsize: int, n: int) -> list[tuple[int, int]]:
+    """``(count, S)`` of each row; a size that rounds to the count of the one before is dropped."""
+    if not case.sized:
+        return [case.layout(0, itemsize, n)]
+    out: list[tuple[int, int]] = []
+    for nbytes in sizes:
+        count, size = case.layout(nbytes, itemsize, n)
+        if not out or out[-1][0] != count:
+            out.append((count, size))
+    return out
+
+
+def _measure(args: argparse.Namespace, case: Case, ctx: Context, count: int, size: int) -> tuple[Row | None, str]:
+    """Set up one size, check it (or make a first call), then time it: ``(row, "")``, or ``(None, why not)``.
+
+    Collective: every rank calls it with the same arguments.
+    """
+    comm, arrays = ctx.comm, ctx.arrays
+    run = case.setup(ctx, count)
+    error, wrong = "", {}
+    try:
+        if args.check:
+            wrong = check(run, arrays, ctx.size)
+        else:  # the first call, where mpidist refuses what it cannot do (on every rank alike)
+            run.mpidist()
+    except Exception as exc:  # noqa: BLE001 - reported as a collective mpidist cannot run, on every rank
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        return None, errors[0]
+    row = Row(
+        collective=case.name, bytes=size, count=count, dtype=ctx.dtype.name, op=args.op if case.reduces else "-",
+        root=args.root if case.rooted else None, busbw_factor=case.factor(ctx.size) if case.sized else 0.0,
+        iters=0, messages_per_iter=case.per_iteration(ctx), note=run.raw_missing or "",
+    )  # fmt: skip
+    row.iters = args.iters or auto_iters(size, row.messages_per_iter)
+    if args.check:
+        total = np.array([wrong["mpidist"], wrong.get("raw", 0)], np.int64)
+        comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        row.wrong_mpidist = int(total[0])
+        row.wrong_raw = int(total[1]) if run.raw is not None else None
+    calls = {"mpidist": run.mpidist}
+    if run.raw is not None:
+        calls["raw"] = run.raw
+    row.set_times(time_run(calls, row.iters, args.warmup, args.trials, comm, arrays.synchronize))
+    return row, ""
 
 
 def _section_footer(table: Table, rows: list[Row], missing: str) -> None:
@@ -393,8 +408,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _world() -> Any:
-    from mpi4py import MPI
-
     return MPI.COMM_WORLD
 
 
