@@ -151,6 +151,32 @@ def test_dtypes_and_ops_check_out(dtype, op, tmp_path, capsys, checks):
     checks.done()
 
 
+def test_check_finds_a_wrong_result(monkeypatch, tmp_path, capsys, checks):
+    """An all_reduce that computes a wrong element on rank 0 is counted, and the run fails."""
+    real = dist.all_reduce
+
+    def off_by_one(tensor, *args, **kwargs):
+        work = real(tensor, *args, **kwargs)
+        if dist.get_rank() == 0:
+            tensor[0] += 1
+        return work
+
+    monkeypatch.setattr(dist, "all_reduce", off_by_one)
+    path = tmp_path / "bench.json"
+    status, out, _ = run_main(
+        [*QUICK, "-e", "64", "-c", "all_reduce", "broadcast", "--check", "--json", str(path)], capsys
+    )
+    checks.equal("exit status", status, 1)
+    if dist.get_rank() == 0:
+        rows = json.loads(path.read_text())["rows"]
+        wrong = {(r["collective"], r["bytes"]): (r["wrong_mpidist"], r["wrong_raw"]) for r in rows}
+        expected = {("all_reduce", 8): (1, 0), ("all_reduce", 32): (1, 0), ("broadcast", 8): (0, 0),
+                    ("broadcast", 32): (0, 0)}  # fmt: skip
+        checks.equal("wrong elements (mpidist, raw) by row", wrong, expected)
+        checks.true("footer", "# check: 2 wrong elements (FAILED)" in out)
+    checks.done()
+
+
 def test_a_refused_combination_is_reported_and_fails(capsys, checks):
     status, out, _ = run_main([*QUICK, "-d", "complex64", "-o", "max", "-c", "all_reduce", "broadcast"], capsys)
     checks.equal("exit status", status, 1)
