@@ -3,8 +3,9 @@
 Peers are global ranks (``dst``/``src``/``peer``) or group ranks
 (``group_dst``/``group_src``/``group_peer``). Messages match by (group, source,
 tag) in the order they were posted, as in MPI. A receive checks that the message
-has exactly the receiving array's size; ``recv(src=None)`` takes a message from
-any rank and returns the sender's global rank.
+has exactly the receiving array's size (what a message of another size leaves
+in the array: docs/sharp-bits.md); ``recv(src=None)`` takes a message from any
+rank and returns the sender's global rank.
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def recv(
     peer = None if src is None and group_src is None else root_rank(pg, src, group_src, "recv", _SRC)
     if peer is not None:
         _not_self(pg, peer, "recv", "source")
-    w = _start_recv(pg, tensor, peer, tag, "recv")
+    buf, target = prepare_output(tensor, "recv", "tensor")
+    # waited for at once: the backend may match the message before writing (sharp-bits: receive sizes)
+    w = pg.recv_blocking(buf, None if target is None else [(buf, target)], peer, _tag(tag, "recv"))
+    w._outputs = [tensor]
     w.wait()
     return pg.ranks[w.source_rank()]
 

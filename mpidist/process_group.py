@@ -208,6 +208,11 @@ class ProcessGroup:
         b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
         return b.recv(buf, backs, peer, tag)
 
+    def recv_blocking(self, buf: Buffer, backs: Backs, peer: int | None, tag: int) -> Work:
+        """A receive the caller waits for at once (``BaseBackend.recv_blocking``)."""
+        b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
+        return b.recv_blocking(buf, backs, peer, tag)
+
     def batch_p2p(self, ops: list[tuple[bool, Buffer, Backs, int, int]]) -> list[Work]:
         """Post ``(is_send, buffer, backs, peer, tag)`` sends and receives as one batch.
 

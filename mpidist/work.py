@@ -255,11 +255,18 @@ class Work:
                 if finished:
                     self._complete()
                 else:
-                    self._owner.keep_stuck(self._reqs, self._keep)
-                    self._fail(self._owner.timeout_failure(self._op, self._seq, limit))
+                    self._expired(limit)
         if self._exc is not None:
             raise self._exc
         return True
+
+    def _expired(self, limit: float) -> None:
+        """``wait`` ran out of time: keep the buffers for good (MPI may still write into them) and fail.
+
+        A receive on MPI overrides this: MPI can cancel a receive that no message has matched yet.
+        """
+        self._owner.keep_stuck(self._reqs, self._keep)
+        self._fail(self._owner.timeout_failure(self._op, self._seq, limit))
 
     def _complete(self) -> None:
         if self._done:

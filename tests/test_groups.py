@@ -340,8 +340,13 @@ def test_new_group_timeout(rank, world_size):
     with pytest.raises(dist.DistBackendError):
         dist.recv(x, group=g)  # any source, in a group of one, and nobody sends
     assert 0.25 <= time.monotonic() - start < 30
-    # satisfy the abandoned receive so that nothing stays pending
-    dist.isend(np.full(1, 5.0), dst=rank, group=g).wait()
+    # the receive that timed out left nothing posted: a message sent now goes to the next receive
+    s = dist.isend(np.full(1, 5.0), dst=rank, group=g)
+    z = np.zeros(1)
+    dist.irecv(z, src=rank, group=g).wait()
+    s.wait()
+    assert_equal(z, np.full(1, 5.0))
+    assert_equal(x, np.zeros(1))
     y = np.ones(1)
     dist.all_reduce(y)  # the world is unaffected
     assert_equal(y, np.full(1, float(world_size)))

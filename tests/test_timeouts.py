@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist import DistBackendError, Work
-from mpidist.testing import calls_issued, p2p_calls_issued
+from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
 from helpers import assert_equal, fail_together
 
@@ -37,6 +37,10 @@ ABSENT_S = T + 1.0
 
 NO_ANSWER = r"no answer \(not waiting in an mpidist call"
 UNUSABLE = r"The group is unusable now \(the call is still pending inside MPI\): destroy it"
+#: how a receive that timed out ends: nothing of it is left pending
+NOTHING_POSTED = r"No message had arrived, and nothing is left posted: the next message goes to the next receive\. "
+CANCELLED = r"The receive was cancelled: the next message goes to the next receive\. "
+USABLE = r"The group is still usable\.$"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -256,7 +260,9 @@ def test_sequence_number_counts_collectives_not_p2p():
 def test_recv_without_send_times_out():
     """recv from rank 1, which never sends (it waits in a world barrier): DistBackendError within T + 2 s.
 
-    The message numbers the receive among this rank's point-to-point calls on the group.
+    The message numbers the receive among this rank's point-to-point calls on the group. Blocking recv
+    posts no receive until the message is there, so nothing is left behind: the message rank 1 sends
+    afterwards arrives in the next recv.
     """
     g = dist.new_group(timeout=T)
     world = dist.group.WORLD
@@ -279,7 +285,7 @@ def test_recv_without_send_times_out():
             [
                 head("recv", 3, g),
                 rf"Rank 1: waiting in barrier \(call #{k}\) on group {re.escape(world.group_name)}\.",
-                UNUSABLE,
+                NOTHING_POSTED + USABLE,
             ],
             T + SLACK,
             "recv",
@@ -288,6 +294,49 @@ def test_recv_without_send_times_out():
         if calls_issued(g) != 0:
             problems.append(f"point-to-point calls advanced the collective seq to {calls_issued(g)}")
     dist.barrier()
+    if RANK == 1:
+        dist.send(np.full(2, 7.0), dst=0, group=g, tag=7)
+    elif RANK == 0:
+        got = np.zeros(2)
+        dist.recv(got, src=1, group=g, tag=7)
+        if not np.array_equal(got, np.full(2, 7.0)):
+            problems.append(f"the recv after the timeout got {got}")
+        if backend_of(g).pending():
+            problems.append("the receive that timed out is still pending")
+    fail_together(problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_irecv_that_timed_out_is_cancelled_and_the_next_receive_gets_the_message():
+    """Rank 1's irecv waits 0.5 s for rank 0, which has not sent yet: the wait raises and the receive is
+    cancelled. The message rank 0 sends afterwards arrives in rank 1's next irecv, and the array of the
+    cancelled receive is untouched."""
+    g = dist.new_group(timeout=30)
+    problems: list[str] = []
+    if RANK == 1:
+        first = np.full(4, -1.0)
+        w = dist.irecv(first, src=0, group=g, tag=3)
+        p, exc = expect_timeout(
+            lambda: w.wait(timeout=0.5),
+            [head("recv", 1, g, "0.5") + r" Rank 0: waiting in barrier .*\. " + CANCELLED + USABLE],
+            0.5 + SLACK,
+            "irecv",
+        )
+        problems += p
+        if exc is not None and (w.exception() is not exc or w.is_success()):
+            problems.append("the cancelled irecv's Work does not report its error")
+    dist.barrier()
+    if RANK == 0:
+        dist.send(np.arange(4.0), dst=1, group=g, tag=3)
+    elif RANK == 1:
+        fresh = np.zeros(4)
+        dist.irecv(fresh, src=0, group=g, tag=3).wait(timeout=10)
+        if not np.array_equal(fresh, np.arange(4.0)):
+            problems.append(f"the next irecv got {fresh}")
+        if not np.array_equal(first, np.full(4, -1.0)):
+            problems.append(f"the cancelled receive's array was written: {first}")
+        if backend_of(g).pending():
+            problems.append("the cancelled receive is still pending")
     fail_together(problems)
 
 
@@ -314,18 +363,25 @@ def test_irecv_and_isend_work_wait_time_out():
 
 
 def test_irecv_from_self_work_wait_times_out():
-    """At every world size: an irecv from this rank itself with no isend; wait(timeout) raises within the bound."""
+    """At every world size: an irecv from this rank itself with no isend; wait(timeout) raises within the bound,
+    the receive is cancelled, and the group still carries a message from this rank to itself."""
     g = dist.new_group(timeout=30)
     buf = np.zeros(2)
     w = dist.irecv(buf, src=RANK, group=g, tag=9)
     problems, exc = expect_timeout(
-        lambda: w.wait(timeout=0.3), [head("recv", 1, g, "0.3"), UNUSABLE], 0.3 + SLACK, "irecv"
+        lambda: w.wait(timeout=0.3), [head("recv", 1, g, "0.3"), CANCELLED + USABLE], 0.3 + SLACK, "irecv"
     )
     if exc is not None:
         again, _ = expect_timeout(w.wait, [re.escape(str(exc))], 1.0, "second wait")
         problems += again
         if w.exception() is not exc:
             problems.append("Work.exception() is not the timeout error")
+    got = np.zeros(2)
+    r = dist.irecv(got, src=RANK, group=g, tag=9)
+    dist.isend(np.full(2, 5.0), dst=RANK, group=g, tag=9).wait()
+    r.wait()
+    if not np.array_equal(got, np.full(2, 5.0)) or not np.array_equal(buf, np.zeros(2)):
+        problems.append(f"after the timeout the message went to {buf} (cancelled) / {got} (the next receive)")
     dist.barrier()
     dist.destroy_process_group(g)
     problems += world_sum_ok()

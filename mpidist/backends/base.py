@@ -59,22 +59,32 @@ class BaseBackend(ABC):
         """Wrap a library error of call ``seq`` in a DistBackendError."""
         return DistBackendError(f"{op} (call #{seq}) on {self.describe()} failed: {exc}")
 
-    def timeout_failure(self, op: str, seq: int, timeout_s: float) -> DistBackendError:
+    def timeout_failure(
+        self, op: str, seq: int, timeout_s: float, note: str = "", settled: bool = False
+    ) -> DistBackendError:
         """Diagnose call ``seq``, which did not complete within ``timeout_s``, and return its error.
 
         This communicates: it asks the other members what they are waiting in
         (``stall.survey``, at most a second) so the message can say who has not
         arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
+        ``note`` (a sentence) tells what became of the call; ``settled`` means nothing
+        of it is left pending (a cancelled receive), so the group is still usable.
         """
         where = ""
         if self.global_ranks is not None and self.size > 1:
             with stall.waiting(self.group_name, op, seq):  # others that time out too may ask us
                 answers = stall.survey(self.global_ranks, min(1.0, max(0.2, 0.1 * timeout_s)))
             where = " " + stall.explain(answers, self.global_ranks)
+        if settled:
+            end = "The group is still usable."
+        else:
+            end = (
+                "The group is unusable now (the call is still pending inside MPI): destroy it, or end "
+                "the job (mpidist.abort_process_group)."
+            )
         error = DistBackendError(
             f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout of "
-            f"{timeout_s:g} s.{where} The group is unusable now (the call is still pending inside "
-            "MPI): destroy it, or end the job (mpidist.abort_process_group)."
+            f"{timeout_s:g} s.{where}{' ' + note if note else ''} {end}"
         )
         if world.init_info.abort_on_timeout:
             abort.abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
@@ -177,6 +187,15 @@ class BaseBackend(ABC):
     @abstractmethod
     def recv(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """``peer`` None receives from any rank; ``Work.source_rank()`` tells which."""
+
+    def recv_blocking(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Work:
+        """``recv`` for a caller that waits for the Work at once (blocking ``recv``).
+
+        A backend may then match the message before writing into ``buf`` (the MPI
+        backend does), so that a message of another size leaves ``buf`` untouched
+        and a receive that times out leaves nothing posted. By default: ``recv``.
+        """
+        return self.recv(buf, backs, peer, tag)
 
 
 class WrapperBackend(BaseBackend):

@@ -19,6 +19,7 @@ arrays need no packing (see ``_vector``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = ["MPIBackend", "type_table"]
 IN_PLACE = MPI.IN_PLACE
 BYTE = MPI.BYTE
 ANY_SOURCE = MPI.ANY_SOURCE
+ERR_TRUNCATE = MPI.ERR_TRUNCATE
 Op = MPI.Op
 ndarray = np.ndarray
 
@@ -580,28 +582,147 @@ class MPIBackend(BaseBackend):
         return Work([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
+        """Post the receive into ``buf`` at once (see :class:`_Receive`)."""
         self.p2p_seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
-        status = MPI.Status()
-        source = ANY_SOURCE if peer is None else peer
         try:
-            req = self.comm.Irecv([buf, e.mpi], source, tag)
+            req = self.comm.Irecv([buf, e.mpi], ANY_SOURCE if peer is None else peer, tag)
         except MPI.Exception as exc:
             raise self.backend_error("recv", self.p2p_seq, exc) from exc
+        return _Receive(req, buf, e, backs, self, peer, None)
 
-        def finish() -> None:
-            got = status.Get_count(e.mpi)
-            if status.Get_error() == MPI.ERR_TRUNCATE:  # Open MPI reports the count it kept
-                raise ValueError(
-                    f"recv: a message from rank {status.Get_source()} (group rank) is larger than the "
-                    f"{buf.size} elements of {e.info.name} expected; sizes must match"
-                )
-            if got != buf.size:
-                raise ValueError(
-                    f"recv: expected {buf.size} elements of {e.info.name} from rank "
-                    f"{status.Get_source()} (group rank) but {got} arrived; sizes must match"
-                )
-            if backs:
-                _write_backs(backs)
+    def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
+        """Match the message with a probe first, then receive it (see :class:`_Receive`)."""
+        self.p2p_seq += 1
+        e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
+        return _Receive(None, buf, e, backs, self, peer, (self.comm, tag))
 
-        return Work([req], finish, buf, "recv", self, self.p2p_seq, self.timeout_s, status)
+
+class _Receive(Work):
+    """The Work of a receive on an MPI communicator.
+
+    A receive is *posted* (``MPIBackend.recv``: ``irecv`` and ``batch_isend_irecv``)
+    or *matched* (``MPIBackend.recv_blocking``: blocking ``recv``):
+
+    * posted: ``MPI_Irecv`` into the caller's array at once, so that MPI matches
+      the message as soon as it arrives and a large send to this rank can
+      complete while this rank waits elsewhere (what send-then-receive exchanges
+      rely on). MPI writes the message into the array when it matches, before its
+      size can be checked: a message of another size raises ValueError here but
+      has written its first elements (up to the array's size) into the array.
+    * matched: nothing is posted; each test probes (``MPI_Improbe``) for the
+      message and only once it is there, and its size is the array's, receives
+      it (``MPI_Imrecv``) into the array. A message of another size goes into a
+      scratch buffer (so the array is untouched) and raises ValueError.
+
+    When ``wait`` times out, a posted receive that no message has matched is
+    cancelled (``MPI_Cancel``) and a matched one that found no message has
+    nothing to cancel: either way nothing is left pending, the next message goes
+    to the next receive and the group stays usable. A receive whose message had
+    already matched cannot be cancelled: it stays pending, as a timed-out
+    collective does.
+    """
+
+    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived")
+
+    def __init__(
+        self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
+        peer: int | None, probe: tuple[MPI.Comm, int] | None,
+    ) -> None:  # fmt: skip
+        post = None if not backs else partial(_write_backs, backs)  # a staged array: write it back
+        Work.__init__(
+            self, [] if req is None else [req], post, buf, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
+        )
+        self._buf = buf
+        self._entry = e
+        self._peer = peer  # group rank, or None: any
+        self._posted = req is not None
+        self._probe = probe  # (communicator, tag) of a matched receive until its message is there
+        # elements that arrived, once known (else read from the status); -2 - bytes: not whole elements; -3: longer
+        self._arrived: int | None = None
+
+    def _test(self) -> bool:
+        if self._probe is not None and not self._match():
+            return False
+        try:
+            return self._reqs[0].Test(self._status)
+        except MPI.Exception as exc:  # MPICH reports a longer message as an error of the test
+            if exc.Get_error_class() != ERR_TRUNCATE:
+                raise
+            self._arrived = -3
+            return True
+
+    def _match(self) -> bool:
+        """Probe for the message of a matched receive; once it is there, receive it. True once matched."""
+        comm, tag = self._probe  # type: ignore[misc]
+        status, peer = self._status, self._peer
+        msg = comm.Improbe(ANY_SOURCE if peer is None else peer, tag, status)
+        if msg is None:
+            return False
+        self._probe = None
+        mpi, buf = self._entry.mpi, self._buf
+        self._arrived = count = status.Get_count(mpi)
+        if count == buf.size:
+            self._reqs = [msg.Irecv([buf, mpi])]
+            return True
+        if count == MPI.UNDEFINED:  # not a whole number of elements
+            nbytes = status.Get_count(BYTE)
+            scratch, self._arrived = np.empty(nbytes, np.uint8), -2 - nbytes
+            self._reqs = [msg.Irecv([scratch, BYTE])]
+        else:
+            scratch = np.empty(count, buf.dtype)
+            self._reqs = [msg.Irecv([scratch, mpi])]
+        self._keep = (self._keep, scratch)  # the caller's array is never written
+        return True
+
+    def _complete(self) -> None:
+        """Fail with a ValueError if a message of another size arrived; else finish as any Work."""
+        if self._done:
+            return
+        got = self._arrived
+        if got is None:  # a posted receive: the status tells (Open MPI reports a longer message there)
+            status = self._status
+            got = -3 if status.Get_error() == ERR_TRUNCATE else status.Get_count(self._entry.mpi)
+        if got != self._buf.size:
+            self._fail(self._size_error(got))
+            return
+        Work._complete(self)
+
+    def _size_error(self, got: int) -> ValueError:
+        size, name = self._buf.size, self._entry.info.name
+        where = f"from rank {self._status.Get_source()} (group rank)"
+        if got == -3:
+            return ValueError(
+                f"recv: a message {where} is larger than the {size} elements of {name} expected; sizes must match"
+            )
+        arrived = f"{-2 - got} bytes" if got < -1 else str(got)
+        return ValueError(f"recv: expected {size} elements of {name} {where} but {arrived} arrived; sizes must match")
+
+    def _expired(self, limit: float) -> None:
+        owner, op, seq = self._owner, self._op, self._seq
+        if self._probe is not None:  # matched receive: no message has come, and nothing was posted
+            note = "No message had arrived, and nothing is left posted: the next message goes to the next receive."
+            self._fail(owner.timeout_failure(op, seq, limit, note, settled=True))
+            return
+        if self._posted:
+            try:
+                self._reqs[0].Cancel()
+                # a receive that no message matched ends at once, cancelled; else its message completes it
+                ended = poll(self._test, min(1.0, limit), owner.spins)
+            except MPI.Exception:
+                ended = False
+            if ended and self._status.Is_cancelled():
+                note = "The receive was cancelled: the next message goes to the next receive."
+                self._fail(owner.timeout_failure(op, seq, limit, note, settled=True))
+                return
+            if ended:  # its message arrived as the time ran out: it is received after all
+                self._complete()
+                return
+        owner.keep_stuck(self._reqs, self._keep)
+        source = self._status.Get_source() if self._peer is None and not self._posted else self._peer
+        sender = "A message" if source is None else f"A message from rank {source} (group rank)"
+        note = (
+            f"{sender} had matched the receive but did not finish arriving, and MPI cannot cancel a "
+            "matched receive: the receive stays pending and its array in use."
+        )
+        self._fail(owner.timeout_failure(op, seq, limit, note))

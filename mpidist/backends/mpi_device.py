@@ -240,6 +240,12 @@ class MPIDeviceBackend(WrapperBackend):
         self._finish(w, c)
         return w
 
+    def recv_blocking(self, buf: Any, backs: Any, peer: int | None, tag: int) -> Work:
+        c = self._call("recv", _devices(buf))
+        w = self.inner.recv_blocking(c.out(buf, False), c.merged(backs), peer, tag)
+        self._finish(w, c)
+        return w
+
 
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning raised here at the program's call into mpidist."""

@@ -364,6 +364,9 @@ class DebugBackend(WrapperBackend):
     def recv(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Any:
         return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv(buf, backs, peer, tag))
 
+    def recv_blocking(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Any:
+        return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv_blocking(buf, backs, peer, tag))
+
     def _trace_p2p(self, op: str, buf: np.ndarray, peer: int | None, tag: int, start: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         work = start()
