@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import re
 import threading
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 import mpidist as dist
 from mpidist.objects import dumps, loads
 
-from helpers import ALL_DTYPES, BF16, rank_input
+from helpers import ALL_DTYPES, BF16, Checks, rank_input
 
 NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 PICKLE_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
@@ -534,6 +536,116 @@ def test_unpicklable_object_send_object_list_raises_before_sending(rank, world_s
     got = ring_send_recv_objects([("after", rank)], inp, rank, world_size)
     assert got == (rank - 1) % world_size
     assert inp == [("after", (rank - 1) % world_size)]
+
+
+class Refuses:
+    """An object whose pickling raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error
+
+
+#: what cannot be pickled: (a maker, the error type every rank raises, the error's text in the message)
+UNPICKLABLE = {
+    "lock": (threading.Lock, TypeError, "TypeError: cannot pickle '_thread.lock' object"),
+    "pickling-error": (lambda: Refuses(pickle.PicklingError("not today")), pickle.PicklingError,
+                       "PicklingError: not today"),
+    "other-error": (lambda: Refuses(KeyError("k")), pickle.PicklingError, "KeyError: 'k'"),
+}  # fmt: skip
+
+#: how each collective names what could not be pickled
+PICKLED_ARG = {
+    "broadcast_object_list": "object_list",
+    "all_gather_object": "obj",
+    "gather_object": "obj",
+    "scatter_object_list": "an object of scatter_object_input_list",
+}
+
+
+def call_with_one_unpicklable(fn: str, bad_rank: int, bad: object, rank: int, n: int, group) -> None:
+    """Call collective ``fn`` on ``group`` where only ``bad_rank`` has ``bad`` to pickle (it is the source
+    of broadcast and scatter; gather's destination is rank 0)."""
+    mine = bad if rank == bad_rank else ("fine", rank)
+    if fn == "broadcast_object_list":
+        dist.broadcast_object_list(["x", mine] if rank == bad_rank else [None, None], src=bad_rank, group=group)
+    elif fn == "all_gather_object":
+        dist.all_gather_object([None] * n, mine, group=group)
+    elif fn == "gather_object":
+        dist.gather_object(mine, [None] * n if rank == 0 else None, dst=0, group=group)
+    else:
+        objs = [("fine", i) for i in range(n)]
+        objs[n // 2] = bad
+        dist.scatter_object_list([None], objs if rank == bad_rank else None, src=bad_rank, group=group)
+
+
+@pytest.mark.parametrize("what", list(UNPICKLABLE))
+@pytest.mark.parametrize("fn", list(PICKLED_ARG))
+def test_one_rank_cannot_pickle_and_every_rank_raises_the_same_error_at_once(fn, what, rank, world_size):
+    """Only the last rank has an object that cannot be pickled: every rank raises the same error (its type
+    where it is a usual pickling error, else pickle.PicklingError) naming the function, the rank and the
+    error, at once (not after the group's timeout), and the group then works."""
+    make_bad, error_type, text = UNPICKLABLE[what]
+    bad_rank = world_size - 1
+    g = dist.new_group(timeout=30)
+    c = Checks()
+    expected = (
+        f"{fn}: {PICKLED_ARG[fn]} of rank {bad_rank} could not be pickled ({text}); no object was sent and the "
+        "group is still usable"
+    )
+    start = time.monotonic()
+    c.raises(error_type, "^" + re.escape(expected) + "$",
+             call_with_one_unpicklable, fn, bad_rank, make_bad(), rank, world_size, g)  # fmt: skip
+    took = time.monotonic() - start
+    c.true(f"the error came after {took:.1f} s, not at once", took < 10)
+    out = [None] * world_size
+    dist.all_gather_object(out, ("after", rank), group=g)
+    c.equal("a collective afterwards", out, [("after", r) for r in range(world_size)])
+    c.done()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_several_ranks_cannot_pickle_and_the_error_names_them_all(rank, world_size):
+    c = Checks()
+    others = ", ".join(str(r) for r in range(1, world_size))
+    expected = (
+        f"all_gather_object: obj of ranks {others} could not be pickled (rank 1: TypeError: cannot pickle "
+        "'_thread.lock' object); no object was sent and the group is still usable"
+    )
+    c.raises(TypeError, "^" + re.escape(expected) + "$",
+             dist.all_gather_object, [None] * world_size, threading.Lock() if rank else rank)  # fmt: skip
+    out = [None] * world_size
+    dist.all_gather_object(out, rank)
+    c.equal("a collective afterwards", out, list(range(world_size)))
+    c.done()
+
+
+@pytest.mark.parametrize("fn", ["send_object_list", "recv_object_list"])
+@pytest.mark.parametrize("by", ["global", "group"])
+def test_object_p2p_with_this_rank_itself_raises_at_once(fn, by, rank, world_size):
+    """send_object_list/recv_object_list to or from this rank itself raise ValueError before any MPI call,
+    as send/recv do (they would deadlock), instead of waiting the group's timeout."""
+    g = dist.new_group(timeout=30)
+    c = Checks()
+    kw = {("send_object_list", "global"): {"dst": rank}, ("send_object_list", "group"): {"group_dst": rank},
+          ("recv_object_list", "global"): {"src": rank}, ("recv_object_list", "group"): {"group_src": rank}}[fn, by]  # fmt: skip
+    what = "destination" if fn == "send_object_list" else "source"
+    expected = (
+        f"{fn}: the {what} rank is this process itself; send_object_list and recv_object_list need another "
+        "rank (to itself they would deadlock)"
+    )
+    start = time.monotonic()
+    c.raises(ValueError, "^" + re.escape(expected) + "$", getattr(dist, fn), [1, 2], group=g, **kw)
+    took = time.monotonic() - start
+    c.true(f"the error came after {took:.1f} s, not at once", took < 10)
+    if world_size > 1:  # an exchange of objects on the ring still works
+        inp = [None]
+        got = ring_send_recv_objects([("after", rank)], inp, rank, world_size, group=g)
+        c.equal("the sender", got, (rank - 1) % world_size)
+        c.equal("the objects", inp, [("after", (rank - 1) % world_size)])
+    c.done()
 
 
 # ---------------------------------------------------------------------------------------------
