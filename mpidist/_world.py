@@ -89,6 +89,9 @@ class World:
         # buffers and communicators MPI or NCCL may still touch after a call that failed or timed out:
         # kept alive for the life of the process (freeing them could corrupt memory); grows only on failures
         self.unreleased: list[Any] = []
+        # (backend, op, seq) of every call that timed out and was left pending: a process that still has
+        # one at exit aborts the job instead of finalizing MPI (launch/abort.py); survives reset like unreleased
+        self.timed_out: list[tuple[Any, str, int]] = []
         self.cuda_runtime_factory: Callable[[], Any] | None = None  # None: CudaRuntime.from_cupy (tests: a fake)
         self._clear()
 

@@ -371,3 +371,71 @@ def test_abort_on_timeout_ends_the_whole_job(tmp_path):
     ), proc.stderr
     assert "MPIDIST_ABORT_ON_TIMEOUT" in proc.stderr
     assert "woke up" not in proc.stdout
+
+
+# -- exit after a timeout: abort instead of waiting in MPI_Finalize ---------------------------------
+
+LEAVES_AFTER_TIMEOUT = """\
+    import time
+    import numpy as np
+    import mpidist as dist
+
+    dist.init_process_group(timeout=60)
+    g = dist.new_group(timeout=1)
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(np.ones(2), group=g)
+        except dist.DistBackendError:
+            print("rank 0 caught the timeout", flush=True)
+        {then}
+        print("rank 0 leaves the script", flush=True)
+    else:
+        {rank_1}
+"""
+
+
+@needs_mpiexec
+@on_rank_0
+@pytest.mark.parametrize("then", ["return", "destroy"])
+def test_leaving_with_a_timed_out_call_pending_aborts_the_job(tmp_path, then):
+    """Plain ``python script.py``: rank 1 never joins the all_reduce (it sleeps 120 s); rank 0's call times out,
+    rank 0 catches the error and leaves the script (having destroyed the groups, or not). MPI_Finalize would
+    wait for rank 1; instead rank 0 says which call is pending and aborts: the job ends within seconds."""
+    path = script(
+        tmp_path,
+        LEAVES_AFTER_TIMEOUT.format(
+            then="dist.destroy_process_group()" if then == "destroy" else "pass",
+            rank_1='time.sleep(120)\n        print("rank 1 woke up", flush=True)',
+        ),
+    )
+    proc, took = run([str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert took < 30, f"the job took {took:.1f} s to end"
+    assert "rank 0 caught the timeout" in proc.stdout and "rank 0 leaves the script" in proc.stdout, proc.stdout
+    assert "woke up" not in proc.stdout
+    assert re.search(
+        r"^\[rank 0\] mpidist: exiting with 1 call\(s\) that timed out still pending inside MPI: all_reduce "
+        r"\(call #1\) on group 1 \(mpi, rank 0 of 2\)\. Finalizing MPI would wait for the ranks that never joined "
+        r"them; aborting the job instead \(MPI_Abort, exit code 70\)\.$",
+        proc.stderr,
+        re.M,
+    ), proc.stderr
+
+
+@needs_mpiexec
+@on_rank_0
+def test_a_timed_out_call_that_completed_later_does_not_abort(tmp_path):
+    """Control: rank 1 joins the all_reduce late (after rank 0's timeout, before rank 0 leaves): the call
+    completes, nothing is pending at exit, and the job ends normally."""
+    path = script(
+        tmp_path,
+        LEAVES_AFTER_TIMEOUT.format(
+            then="dist.barrier()",
+            rank_1="time.sleep(2)\n        x = np.ones(2)\n        dist.all_reduce(x, group=g)\n"
+            '        dist.barrier()\n        print("rank 1 got", x.tolist(), flush=True)',
+        ),
+    )
+    proc, _ = run([str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "rank 0 caught the timeout" in proc.stdout and "rank 1 got [2.0, 2.0]" in proc.stdout, proc.stdout
+    assert "mpidist: exiting with" not in proc.stderr, proc.stderr

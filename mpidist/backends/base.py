@@ -69,6 +69,8 @@ class BaseBackend(ABC):
         arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
         ``note`` (a sentence) tells what became of the call; ``settled`` means nothing
         of it is left pending (a cancelled receive), so the group is still usable.
+        Otherwise the call is recorded as stuck: at exit, a process that still has
+        one aborts the job instead of finalizing MPI (``launch/abort.py``).
         """
         where = ""
         if self.global_ranks is not None and self.size > 1:
@@ -82,6 +84,7 @@ class BaseBackend(ABC):
                 "The group is unusable now (the call is still pending inside MPI): destroy it, or end "
                 "the job (mpidist.abort_process_group)."
             )
+            world.timed_out.append((self, op, seq))
         error = DistBackendError(
             f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout of "
             f"{timeout_s:g} s.{where}{' ' + note if note else ''} {end}"

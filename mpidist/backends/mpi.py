@@ -175,6 +175,14 @@ def _vector(
     return [staging, counts, displs, BYTE], None, backs
 
 
+def _finished(reqs: list[MPI.Request]) -> bool:
+    """Whether the requests of a call that timed out have completed since (one that failed counts as pending)."""
+    try:
+        return bool(MPI.Request.Testall(reqs))
+    except MPI.Exception:
+        return False
+
+
 def _consecutive(arrays: Sequence[ndarray]) -> bool:
     """Return True if the arrays lie back to back in memory, in order."""
     addr = None
@@ -227,6 +235,7 @@ class MPIBackend(BaseBackend):
     # -- plumbing -----------------------------------------------------------------------
     def pending(self) -> bool:
         self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
+        self._stuck = [s for s in self._stuck if not _finished(s[0])]  # a late rank may have completed one
         return bool(self._stuck or self._orphans)
 
     def shutdown(self) -> None:

@@ -11,10 +11,14 @@ handling does, instead of leaving the other ranks waiting until their timeouts.
   unhandled exception with every line prefixed by ``[rank N]`` and aborts.
 * ``MPIDIST_ABORT_ON_TIMEOUT=1`` turns every timeout into: print the diagnosis,
   then abort the job (instead of raising DistBackendError).
+* At exit, a process with a call that timed out and is still pending inside MPI
+  aborts the job instead of finalizing MPI (:func:`exit_check`): MPI_Finalize
+  would wait for ranks that may never get there.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import traceback
@@ -105,3 +109,42 @@ def install_excepthook() -> None:
         mpidist.install_excepthook()     # or run the script with: mpiexec -n 4 python -m mpidist script.py
     """
     sys.excepthook = excepthook
+
+
+def exit_check() -> None:
+    """At interpreter exit: abort the job, instead of finalizing MPI, while calls that timed out are pending.
+
+    A call that timed out stays pending inside MPI (``world.timed_out``). Finalizing
+    MPI then waits for every other rank to finalize too, and the ranks that never
+    joined the call may never get there (hung, or waiting for this rank): the job
+    would hang at exit. So the process says which calls are pending, on stderr, and
+    calls ``MPI_Abort``, which ends every rank of the job (exit code 70). Calls
+    that completed after all (a late rank joined them) do not count. Registered
+    with ``atexit`` on import; ``mpidist.testing`` clears the record at the end of
+    a test session whose tests made calls time out on purpose.
+    """
+    if not world.timed_out or not _mpi_running():
+        return
+    pending = [
+        f"{op} (call #{seq}) on {backend.describe()}" for backend, op, seq in world.timed_out if _pending(backend)
+    ]
+    if not pending:
+        return
+    _say(
+        f"mpidist: exiting with {len(pending)} call(s) that timed out still pending inside MPI: "
+        f"{'; '.join(pending)}. Finalizing MPI would wait for the ranks that never joined them; aborting "
+        f"the job instead (MPI_Abort, exit code {ABORT_CODE})."
+    )
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(ABORT_CODE)
+
+
+def _pending(backend: Any) -> bool:
+    try:
+        return bool(backend.pending())
+    except Exception:  # noqa: BLE001 - cannot tell: count it as pending
+        return True
+
+
+atexit.register(exit_check)
