@@ -751,6 +751,12 @@ def test_register_backend_names(registered):
     assert Backend.backend_capability[CUDA_ONLY] == ["cuda"]
     assert dist.is_backend_available(EXT) is True
     assert dist.is_backend_available(PLAIN.upper()) is True
+    # the registry on world is the one record: the class gains no attribute, the lists are views of it
+    assert not any(name.upper() in vars(Backend) for name in (EXT, PLAIN, BAD, CUDA_ONLY))
+    assert Backend.backend_list[:5] == ["undefined", "gloo", "nccl", "ucc", "mpi"]
+    assert Backend.default_device_backend_map == {"cpu": "mpi", "cuda": "nccl"}  # both already served
+    with pytest.raises(AttributeError, match="MPIDIST_TEST_NEVER_REGISTERED"):
+        Backend.MPIDIST_TEST_NEVER_REGISTERED  # noqa: B018
 
 
 def test_register_backend_extended_api(no_group, registered):

@@ -24,12 +24,55 @@ __all__ = [
 ]
 
 
-class Backend(str):
+#: torch's names that are always in ``Backend.backend_list``, in torch's order
+_TORCH_NAMES = ("undefined", "gloo", "nccl", "ucc", "mpi")
+#: the device type -> backend map before any registration (torch's, with MPI for cpu)
+_DEVICE_DEFAULTS = {"cpu": "mpi", "cuda": "nccl"}
+#: what torch's builtin backends can run (mpidist's own come from their registry entries)
+_CAPABILITY_DEFAULTS = {"gloo": ["cpu"]}
+
+
+class _BackendNames(type):
+    """``Backend``'s class attributes that depend on registrations, computed from ``world.backends``.
+
+    torch keeps them as class-level lists that ``register_backend`` appends to;
+    here the registry on ``world`` is the one record, and these are views of it.
+    """
+
+    @property
+    def backend_list(cls) -> list[str]:
+        """torch's names, then every backend registered since, in registration order."""
+        return [*_TORCH_NAMES, *(n for n in world.backends if n not in _TORCH_NAMES)]
+
+    @property
+    def backend_capability(cls) -> dict[str, list[str]]:
+        """Backend name -> the device types it runs."""
+        return {**_CAPABILITY_DEFAULTS, **{n: list(e.devices) for n, e in world.backends.items()}}
+
+    @property
+    def default_device_backend_map(cls) -> dict[str, str]:
+        """Device type -> the backend a group uses for it when none is named (the first registered wins)."""
+        out = dict(_DEVICE_DEFAULTS)
+        for name, entry in world.backends.items():
+            for device in entry.devices:
+                out.setdefault(device, name)
+        return out
+
+    def __getattr__(cls, attr: str) -> str:
+        """``Backend.NAME`` of a registered backend: its lowercase name."""
+        entry = world.backends.get(attr.lower()) if attr.isupper() else None
+        if entry is None:
+            raise AttributeError(f"type object 'Backend' has no attribute {attr!r}")
+        return entry.name
+
+
+class Backend(str, metaclass=_BackendNames):
     """An enum-like class of backend names: ``Backend.MPI == "mpi"``, ``Backend.NCCL``, ...
 
     ``Backend(name)`` parses a name case-insensitively and returns the lowercase
     string (``Backend("MPI") == "mpi"``). Third-party backends register with
-    :meth:`register_backend`.
+    :meth:`register_backend`; ``backend_list``, ``backend_capability`` and
+    ``default_device_backend_map`` (computed from the registry) include them.
     """
 
     UNDEFINED = "undefined"
@@ -37,10 +80,6 @@ class Backend(str):
     NCCL = "nccl"
     UCC = "ucc"
     MPI = "mpi"
-
-    backend_list = [UNDEFINED, GLOO, NCCL, UCC, MPI]
-    default_device_backend_map: dict[str, str] = {"cpu": MPI, "cuda": NCCL}
-    backend_capability: dict[str, list[str]] = {MPI: ["cpu", "cuda"], NCCL: ["cuda"], GLOO: ["cpu"]}
 
     def __new__(cls, name: str) -> Backend:
         if not isinstance(name, str):
@@ -64,13 +103,14 @@ class Backend(str):
         ``func(options, pg_options)`` where ``options`` is a :class:`BackendOptions`
         that also carries the group's private MPI communicator) must return an
         instance of a :class:`~mpidist.backends.base.BaseBackend` subclass.
+        Registration lasts for the process (``destroy_process_group`` keeps it).
         """
         if not isinstance(name, str) or not name or not name.isidentifier():
             raise ValueError(f"Backend.register_backend: name must be an identifier-like string, got {name!r}")
         if not callable(func):
             raise TypeError(f"Backend.register_backend: func must be callable, got {type(func).__name__}")
         key = name.lower()
-        if key in world.backends or hasattr(Backend, name.upper()):
+        if key in world.backends or key in _TORCH_NAMES:
             raise ValueError(f"Backend.register_backend: {name!r} is already registered")
         if devices is None:
             devs: tuple[str, ...] = ("cpu", "cuda")
@@ -78,9 +118,6 @@ class Backend(str):
             devs = (devices,)
         else:
             devs = tuple(devices)
-        setattr(Backend, name.upper(), key)
-        Backend.backend_list.append(key)
-        Backend.backend_capability[key] = list(devs)
         world.backends[key] = BackendEntry(key, func, bool(extended_api), devs, builtin=False)
 
 
