@@ -120,7 +120,10 @@ def broadcast(
     if pg._rank == root:
         buf, target = prepare_input(tensor, fn, "tensor"), None
     else:
-        buf, target = prepare_output(tensor, fn, "tensor")
+        try:
+            buf, target = prepare_output(tensor, fn, "tensor")
+        except (TypeError, ValueError) as exc:
+            raise _failed_in_role(pg, fn, exc, tensor)  # noqa: B904 - exc itself
     w = pg.broadcast(buf, None if target is None else [(buf, target)], root, async_op)
     if w is not None:
         w._outputs = [tensor]
@@ -163,7 +166,10 @@ def reduce(
         return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     if pg._rank == root:
-        buf, target = prepare_inout(tensor, fn, "tensor")
+        try:
+            buf, target = prepare_inout(tensor, fn, "tensor")
+        except (TypeError, ValueError) as exc:
+            raise _failed_in_role(pg, fn, exc, tensor)  # noqa: B904 - exc itself
     else:
         buf, target = prepare_input(tensor, fn, "tensor"), None
     w = pg.reduce(buf, None if target is None else [(buf, target)], op, root, async_op)
@@ -230,6 +236,21 @@ def all_gather_into_tensor(
 all_gather_single = all_gather_into_tensor
 
 
+def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, tensor: Any = None) -> Exception:
+    """``exc``: a check this rank makes in its role (root, receiver) failed; return it to raise.
+
+    The other ranks may have passed theirs and sent their part, so the group is
+    told (:meth:`ProcessGroup.failed_alone`) unless ``tensor`` fails as a plain
+    input too: a bad array, which every rank of an SPMD program passes alike.
+    """
+    if tensor is not None:
+        try:
+            prepare_input(tensor, fn, "tensor")
+        except (TypeError, ValueError):
+            return exc
+    return pg.failed_alone(fn, exc)
+
+
 def gather(
     tensor: Any,
     gather_list: list[Any] | None = None,
@@ -248,16 +269,20 @@ def gather(
         return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
     inp = prepare_input(tensor, fn, "tensor")
+    try:
+        if pg._rank == root:
+            if gather_list is None:
+                raise ValueError(f"{fn}: gather_list must be given on the destination rank")
+            outs, backs = prepare_output_list(gather_list, fn, "gather_list", pg._size)
+            _same_dtype(fn, inp, "tensor", outs, "gather_list")
+            _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
+        elif gather_list:
+            raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
+    except (TypeError, ValueError) as exc:
+        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
     if pg._rank == root:
-        if gather_list is None:
-            raise ValueError(f"{fn}: gather_list must be given on the destination rank")
-        outs, backs = prepare_output_list(gather_list, fn, "gather_list", pg._size)
-        _same_dtype(fn, inp, "tensor", outs, "gather_list")
-        _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
         w = pg.gather(inp, outs, backs or None, root, async_op)
     else:
-        if gather_list:
-            raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
         w = pg.gather(inp, None, None, root, async_op)
     if w is not None:
         w._outputs = [gather_list] if pg._rank == root else []
@@ -283,16 +308,18 @@ def scatter(
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     out, target = prepare_output(tensor, fn, "tensor")
     backs = None if target is None else [(out, target)]
-    if pg._rank == root:
-        if not scatter_list:
-            raise ValueError(f"{fn}: scatter_list must be given on the source rank")
-        ins = prepare_input_list(scatter_list, fn, "scatter_list", pg._size)
-        _same_dtype(fn, out, "tensor", ins, "scatter_list")
-        _check_own_size(fn, ins[root], "scatter_list", root, out, "tensor")
-    else:
-        if scatter_list:
+    ins = None
+    try:
+        if pg._rank == root:
+            if not scatter_list:
+                raise ValueError(f"{fn}: scatter_list must be given on the source rank")
+            ins = prepare_input_list(scatter_list, fn, "scatter_list", pg._size)
+            _same_dtype(fn, out, "tensor", ins, "scatter_list")
+            _check_own_size(fn, ins[root], "scatter_list", root, out, "tensor")
+        elif scatter_list:
             raise ValueError(f"{fn}: scatter_list must be None (or empty) on non-source ranks")
-        ins = None
+    except (TypeError, ValueError) as exc:
+        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
     w = pg.scatter(out, backs, ins, root, async_op)
     if w is not None:
         w._outputs = [tensor]

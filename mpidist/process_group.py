@@ -13,8 +13,8 @@ from ._world import world
 from .arrays.device import DeviceArray
 from .arrays.host import Buffer
 from .backends.base import BaseBackend
-from .diagnose.debug import DebugBackend
-from .errors import RankNotInGroupError
+from .diagnose.debug import DebugBackend, DebugLevel
+from .errors import DistError, RankNotInGroupError
 from .work import Work
 
 #: write-backs of staged outputs: ``(buffer, caller's array)`` pairs, or None
@@ -89,11 +89,14 @@ class ProcessGroup:
         self._made: list[tuple[BaseBackend, ...]] = []  # device backends made on first use (at most two)
         # the route of the common case, a dict lookup: host arrays to the host backend (none on device-only groups)
         self._route: dict[type, tuple[BaseBackend, ...]] = {} if self._host is None else {ndarray: self._host}
+        self.refusal: str | None = None  # why this group refuses every call on this rank (see failed_alone)
 
     # -- routing: each method below takes ``(self._route.get(type(x)) or self._levels(...))[world.debug_level]``
     def _levels(self, fn: str, a: Any, b: Any = None) -> tuple[BaseBackend, ...]:
         """The backend (by debug level) for a call on prepared arrays ``a`` and ``b`` (arrays, lists, None)
         that the route of the common case did not take: device arrays, lists of arrays, or a refusal."""
+        if self.refusal is not None:
+            self._refuse(fn)
         d = _first_device(a) or _first_device(b)
         if d is not None:
             return self._device_levels(fn, d)
@@ -117,6 +120,37 @@ class ProcessGroup:
         made = _levels(self._device_maker(self, fn, arr), self)
         self._made.append(made)
         return made
+
+    # -- a call that failed on some ranks only ---------------------------------------------
+    def failed_alone(self, fn: str, exc: Exception) -> Exception:
+        """Keep a call that failed a check only this rank makes from leaving the group out of step; return ``exc``.
+
+        Such checks are a root's lists (``gather_list``, ``scatter_list``) and a
+        receiver's outputs: the other ranks pass their checks and post their part of
+        the call, which a later call of this rank could otherwise receive as its data.
+
+        At debug level DETAIL the other ranks are already exchanging descriptions of
+        the call: the failure goes into that exchange, every rank raises it at once,
+        nothing is sent and the group stays usable. Otherwise this group refuses every
+        later call on this rank with a DistError that names the failed call.
+        """
+        backend = (self._host or self._device or self._packing)[world.debug_level]
+        if world.debug_level >= DebugLevel.DETAIL and isinstance(backend, DebugBackend):
+            backend.share_failure(fn, exc)
+        else:
+            self.refusal = (
+                f"{fn} (call #{backend.calls_issued() + 1}) failed on this rank only ({type(exc).__name__}: {exc}) "
+                "while the other ranks may have sent their part of it"
+            )
+            self._route = {}  # every call now takes _levels, which refuses it
+        return exc
+
+    def _refuse(self, fn: str) -> None:
+        raise DistError(
+            f"{fn}: process group {self.group_name} is unusable on this rank: {self.refusal}. A later call could "
+            "receive that data, so the group refuses every call; create a new group (new_group), or run with "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL, where every rank raises such an error at once and the group stays usable"
+        )
 
     def backend(self, device: str = "cpu") -> BaseBackend | None:
         """The backend a call on ``device`` ("cpu" or "cuda") arrays runs on now: at a debug level above
@@ -191,14 +225,20 @@ class ProcessGroup:
         return b.all_to_all(outs, backs, ins, async_op)
 
     def barrier(self, async_op: bool) -> Work | None:
+        if self.refusal is not None:
+            self._refuse("barrier")
         return (self._host or self._device or self._packing)[world.debug_level].barrier(async_op)
 
     def all_reduce_packed(self, packed: ndarray, backs: Backs, op: Any, async_op: bool) -> Work | None:
         """``all_reduce`` of a host buffer mpidist packed itself (``all_reduce_coalesced``), on any group."""
+        if self.refusal is not None:
+            self._refuse("all_reduce_coalesced")
         return self._packing[world.debug_level].all_reduce(packed, backs, op, async_op)
 
     def all_gather_packed(self, out: ndarray, backs: Backs, inp: ndarray, async_op: bool) -> Work | None:
         """``all_gather_into_tensor`` of host buffers mpidist packed itself (``all_gather_coalesced``)."""
+        if self.refusal is not None:
+            self._refuse("all_gather_coalesced")
         return self._packing[world.debug_level].all_gather_into_tensor(out, backs, inp, async_op)
 
     def send(self, buf: Buffer, peer: int, tag: int) -> Work:
@@ -254,8 +294,13 @@ class ProcessGroup:
         for b in backends:
             b.shutdown()
         self.control.shutdown()
-        if self._comm is not None and not (any(b.pending() for b in backends) or self.control.pending()):
-            self._comm.Free()  # else left allocated, see MPIBackend.shutdown
+        if self._comm is None:
+            return
+        if self.refusal is None and not (any(b.pending() for b in backends) or self.control.pending()):
+            self._comm.Free()
+        else:  # MPI may still deliver into it (see MPIBackend.shutdown), or the other ranks' part of the
+            # call that failed here waits in it: freed, its context could be reused by a later group
+            world.unreleased.append(self._comm)
 
     @property
     def mpi_comm(self) -> Any:

@@ -110,17 +110,23 @@ def _op_name(op: Any) -> str:
     return getattr(base, "name", str(base))
 
 
+#: the errors a failed check raises, by name: the other ranks raise the same kind (DETAIL)
+_ERROR_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
+
+
 class Call:
     """What one rank passed to one collective, in plain data (sent to the other ranks)."""
 
-    __slots__ = ("op", "seq", "text", "root", "reduce", "dtype", "size", "sizes", "other")
+    __slots__ = ("op", "seq", "text", "root", "reduce", "dtype", "size", "sizes", "other", "error")
 
     def __init__(self, op: str, seq: int, text: str, root: int | None = None, reduce: str | None = None,
-                 dtype: str = "", size: int = 0, sizes: Sequence[int] = (), other: Any = None) -> None:  # fmt: skip
+                 dtype: str = "", size: int = 0, sizes: Sequence[int] = (), other: Any = None,
+                 error: tuple[str, str] | None = None) -> None:  # fmt: skip
         self.op, self.seq, self.text = op, seq, text
         self.root, self.reduce, self.dtype, self.size = root, reduce, dtype, size
         self.sizes = list(sizes)
         self.other = other
+        self.error = error  # (exception type name, message): this rank's arguments failed a check only it makes
 
     def __getstate__(self) -> tuple:
         return tuple(getattr(self, k) for k in self.__slots__)
@@ -258,12 +264,26 @@ class DebugBackend(WrapperBackend):
         from ..objects import gather_all
 
         calls = gather_all(self.pg.control, call)
+        failed = [(i, c.error) for i, c in enumerate(calls) if c.error is not None]
+        if failed:
+            if call.error is not None:
+                return  # the rank that failed raises its own exception (ProcessGroup.failed_alone)
+            i, (kind, text) = failed[0]
+            raise _ERROR_KINDS.get(kind, DistError)(
+                f"{text} (raised on rank {self.pg.ranks[i]}, and on every rank of group {self.pg.group_name} "
+                "with it; nothing was sent, the group is still usable)"
+            )
         reason = verdict(calls)
         if reason:
             raise DistError(
                 f"{call.op} (call #{call.seq}) on group {self.pg.group_name}: {reason}: {_listing(calls)}. "
                 "Nothing was sent; the group is still usable."
             )
+
+    def share_failure(self, op: str, exc: Exception) -> None:
+        """Put this rank's failed check of call ``op`` into the DETAIL exchange the other ranks are in."""
+        error = (type(exc).__name__, str(exc))
+        self._check(self._call(op, f"(failed: {error[0]}: {error[1]})", error=error))
 
     def _call(self, op: str, text: str, **kw: Any) -> Call:
         return Call(op, self.inner.calls_issued() + 1, f"{op} {text}".strip(), **kw)
