@@ -1029,7 +1029,10 @@ def test_read_only_arrays_arrive_read_only(rank, world_size):
     ro_big.flags.writeable = ro_small.flags.writeable = False
     out = [None] * world_size
     dist.all_gather_object(out, [ro_big, ro_small, np.arange(OOB, dtype=np.int16)])
-    for got in out:
+    src = world_size - 1
+    objs = [ro_big, ro_small, np.arange(OOB, dtype=np.int16)] if rank == src else [None] * 3
+    dist.broadcast_object_list(objs, src=src)  # the source sends its read-only memory as it is
+    for got in out + ([] if rank == src else [objs]):
         assert [a.flags.writeable for a in got] == [False, False, True]
         assert np.array_equal(got[0], ro_big) and np.array_equal(got[1], ro_small) and np.array_equal(got[2], ro_big)
 
