@@ -29,14 +29,18 @@ the bytes the call has to deliver on that rank (the array on a broadcast receive
 the array too), the largest over ranks. An array collective into a reused output
 shows ~0 (its output existed before the call).
 
-To compare with another version of mpidist, run the same script with that version
-first on ``PYTHONPATH`` (the script uses only the public API).
+``--before FILE`` adds a column for another version of ``mpidist/objects.py`` (for
+example ``git show main:mpidist/objects.py > /tmp/before.py``), loaded next to the
+current one and timed in the same trials, with the paired ratio mpidist/before: on
+a shared machine that is the reliable before/after comparison. (Or run the script
+with another mpidist first on ``PYTHONPATH``: it uses only the public API.)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import sys
 import time
@@ -48,6 +52,16 @@ from mpi4py import MPI
 import mpidist as dist
 
 SMALL = {"step": 12, "epoch": 3, "rank": 0, "loss_milli": 734}
+
+
+def load_before(path: str) -> Any:
+    """Another version of mpidist/objects.py, as module ``mpidist._objects_before`` (its relative imports
+    resolve in the current mpidist)."""
+    spec = importlib.util.spec_from_file_location("mpidist._objects_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_object(rank: int) -> dict:
@@ -126,10 +140,13 @@ def large_rows(
     bcast_out = a.copy() if rank == 0 else np.empty_like(a)
     gather_out = np.empty(n * elems, np.float32)
 
-    def bcast_object():
-        objs = [obj] if rank == 0 else [None]
-        dist.broadcast_object_list(objs, src=0)
-        return objs
+    def bcast_object(api: Any = dist) -> Callable[[], Any]:
+        def run():
+            objs = [obj] if rank == 0 else [None]
+            api.broadcast_object_list(objs, src=0)
+            return objs
+
+        return run
 
     def bcast_array():
         dist.broadcast(bcast_out, src=0)
@@ -143,10 +160,13 @@ def large_rows(
     def bcast_raw():
         return comm.bcast(obj if rank == 0 else None, root=0)
 
-    def gather_object():
-        out = [None] * n
-        dist.all_gather_object(out, obj)
-        return out
+    def gather_object(api: Any = dist) -> Callable[[], Any]:
+        def run():
+            out = [None] * n
+            api.all_gather_object(out, obj)
+            return out
+
+        return run
 
     def gather_array():
         dist.all_gather_into_tensor(gather_out, a)
@@ -163,10 +183,10 @@ def large_rows(
     # verify once
     expect0 = (np.arange(elems, dtype=np.float32) % 1009) + 0
     bad = []
-    for name, got in (("broadcast_object_list", bcast_object()[0]), ("comm.bcast", bcast_raw())):
+    for name, got in (("broadcast_object_list", bcast_object()()[0]), ("comm.bcast", bcast_raw())):
         if not (got["rank"] == 0 and np.array_equal(got["array"], expect0)):
             bad.append(name)
-    for name, got in (("all_gather_object", gather_object()), ("comm.allgather", gather_raw())):
+    for name, got in (("all_gather_object", gather_object()()), ("comm.allgather", gather_raw())):
         for r in range(n):
             if not (got[r]["rank"] == r and np.array_equal(got[r]["array"], expect0 + r)):
                 bad.append(f"{name} slot {r}")
@@ -179,15 +199,17 @@ def large_rows(
     for title, impls, deliver in (
         (
             "broadcast",
-            {"object": bcast_object, "array": bcast_array, "array_fresh": bcast_array_fresh, "raw": bcast_raw},
+            {"object": bcast_object(), "array": bcast_array, "array_fresh": bcast_array_fresh, "raw": bcast_raw},
             nbytes,
         ),
         (
             "all_gather",
-            {"object": gather_object, "array": gather_array, "array_fresh": gather_array_fresh, "raw": gather_raw},
+            {"object": gather_object(), "array": gather_array, "array_fresh": gather_array_fresh, "raw": gather_raw},
             n * nbytes,
         ),
     ):
+        if args.before_module is not None:
+            impls["before"] = (bcast_object if title == "broadcast" else gather_object)(args.before_module)
         times = interleaved(comm, impls, args.trials, 1)
         memory = {}
         for name, fn in impls.items():
@@ -197,24 +219,39 @@ def large_rows(
     return rows
 
 
-def print_large(rows: list, n: int) -> None:
+def print_large(rows: list, n: int, before: bool) -> None:
     print(f"\nLarge objects: one float32 array per object, {n} ranks; time = median of trials (slowest rank)")
     print("object = mpidist object call; array = array collective into a reused output; array_fresh = into an")
     print("output allocated by the call; raw = mpi4py's pickle-based call. Memory = peak RSS growth during one")
-    print("call / bytes delivered on that rank (largest over ranks).\n")
-    head = (
-        "| collective | array | object | array | array_fresh | raw mpi4py | object/array | object/array_fresh "
-        "| raw/array | memory object | memory array_fresh | memory raw |"
+    print(
+        "call / bytes delivered on that rank (largest over ranks)"
+        + ("; before = --before's object call." if before else ".")
     )
-    print(head)
-    print("|" + "---|" * 12)
+    print()
+    cols = ["object", "array", "array_fresh", "raw"] + (["before"] if before else [])
+    ratios = [("object", "array"), ("object", "array_fresh"), ("raw", "array")] + (
+        [("before", "array")] if before else []
+    )
+    print(
+        "| collective | array | "
+        + " | ".join(cols)
+        + " | "
+        + " | ".join(f"{a}/{b}" for a, b in ratios)
+        + " | "
+        + " | ".join(f"memory {c}" for c in cols if c != "array")
+        + " |"
+    )
+    print("|" + "---|" * (2 + len(cols) + len(ratios) + len(cols) - 1))
     for title, times, memory, size in rows:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(
-            f"| {title} | {size} | {fmt_time(med['object'])} | {fmt_time(med['array'])} | "
-            f"{fmt_time(med['array_fresh'])} | {fmt_time(med['raw'])} | {ratio(times, 'object', 'array'):.2f} | "
-            f"{ratio(times, 'object', 'array_fresh'):.2f} | {ratio(times, 'raw', 'array'):.2f} | "
-            f"{memory['object']:.2f}× | {memory['array_fresh']:.2f}× | {memory['raw']:.2f}× |"
+            f"| {title} | {size} | "
+            + " | ".join(fmt_time(med[c]) for c in cols)
+            + " | "
+            + " | ".join(f"{ratio(times, a, b):.2f}" for a, b in ratios)
+            + " | "
+            + " | ".join(f"{memory[c]:.2f}×" for c in cols if c != "array")
+            + " |"
         )
 
 
@@ -238,40 +275,53 @@ def small_rows(args: argparse.Namespace, comm: MPI.Comm) -> list[tuple[str, dict
 
         return run
 
-    def bcast():
-        objs = [mine] if rank == 0 else [None]
-        dist.broadcast_object_list(objs, src=0)
-        return objs[0]
+    def calls(api: Any) -> dict[str, Callable[[], Any]]:
+        """The five object functions of ``api`` (mpidist, or --before's module) on the small objects."""
 
-    def allgather():
-        out = [None] * n
-        dist.all_gather_object(out, mine)
-        return out
+        def bcast():
+            objs = [mine] if rank == 0 else [None]
+            api.broadcast_object_list(objs, src=0)
+            return objs[0]
 
-    def gather():
-        out = [None] * n if rank == 0 else None
-        dist.gather_object(mine, out, dst=0)
-        return out
+        def allgather():
+            out = [None] * n
+            api.all_gather_object(out, mine)
+            return out
 
-    def scatter():
-        out = [None]
-        dist.scatter_object_list(out, everyone if rank == 0 else None, src=0)
-        return out[0]
+        def gather():
+            out = [None] * n if rank == 0 else None
+            api.gather_object(mine, out, dst=0)
+            return out
 
-    def sendrecv_dist():
-        inp = [None]
-        dist.recv_object_list(inp, src=prv)
-        return inp[0]
+        def scatter():
+            out = [None]
+            api.scatter_object_list(out, everyone if rank == 0 else None, src=0)
+            return out[0]
 
+        def recv():
+            inp = [None]
+            api.recv_object_list(inp, src=prv)
+            return inp[0]
+
+        return {
+            "broadcast_object_list": bcast,
+            "all_gather_object": allgather,
+            "gather_object": gather,
+            "scatter_object_list": scatter,
+            "send/recv_object_list": p2p(lambda: api.send_object_list([mine], dst=nxt), recv),
+        }
+
+    raw = {
+        "broadcast_object_list": lambda: comm.bcast(mine if rank == 0 else None, root=0),
+        "all_gather_object": lambda: comm.allgather(mine),
+        "gather_object": lambda: comm.gather(mine, root=0),
+        "scatter_object_list": lambda: comm.scatter(everyone if rank == 0 else None, root=0),
+        "send/recv_object_list": p2p(lambda: comm.send(mine, dest=nxt, tag=5), lambda: comm.recv(source=prv, tag=5)),
+    }
+    ours = calls(dist)
+    before = calls(args.before_module) if args.before_module is not None else {}
     cases = {
-        "broadcast_object_list": (bcast, lambda: comm.bcast(mine if rank == 0 else None, root=0)),
-        "all_gather_object": (allgather, lambda: comm.allgather(mine)),
-        "gather_object": (gather, lambda: comm.gather(mine, root=0)),
-        "scatter_object_list": (scatter, lambda: comm.scatter(everyone if rank == 0 else None, root=0)),
-        "send/recv_object_list": (
-            p2p(lambda: dist.send_object_list([mine], dst=nxt), sendrecv_dist),
-            p2p(lambda: comm.send(mine, dest=nxt, tag=5), lambda: comm.recv(source=prv, tag=5)),
-        ),
+        name: {"mpidist": ours[name], "raw": raw[name], **({"before": before[name]} if before else {})} for name in raw
     }
     # verify once
     bad = []
@@ -282,30 +332,42 @@ def small_rows(args: argparse.Namespace, comm: MPI.Comm) -> list[tuple[str, dict
         "scatter_object_list": lambda got: got == mine,
         "send/recv_object_list": lambda got: n == 1 or got == small_object(prv),
     }
-    for name, (ours, raw) in cases.items():
-        for which, fn in (("mpidist", ours), ("raw", raw)):
+    for name, impls in cases.items():
+        for which, fn in impls.items():
             if not checks[name](fn()):
                 bad.append(f"{name} ({which})")
     if comm.allreduce(bool(bad), op=MPI.LOR):
         print(f"rank {rank}: wrong results: {bad}", file=sys.stderr, flush=True)
         sys.exit(1)
     rows = []
-    for name, (ours, raw) in cases.items():
+    for name, impls in cases.items():
         if name.startswith("send") and n == 1:
             continue
-        rows.append((name, interleaved(comm, {"mpidist": ours, "raw": raw}, args.trials, args.small_calls)))
+        rows.append((name, interleaved(comm, impls, args.trials, args.small_calls)))
     return rows
 
 
-def print_small(rows: list, n: int) -> None:
+def print_small(rows: list, n: int, before: bool) -> None:
     print(f"\nSmall objects: a dict of four ints, {n} ranks; per-call time, median of trials (slowest rank)\n")
-    print("| function | mpidist | raw mpi4py | mpidist/raw |")
-    print("|---|---|---|---|")
+    if before:
+        print("| function | mpidist | before | raw mpi4py | mpidist/raw | before/raw | mpidist/before |")
+        print("|---|---|---|---|---|---|---|")
+    else:
+        print("| function | mpidist | raw mpi4py | mpidist/raw |")
+        print("|---|---|---|---|")
     for name, times in rows:
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(
-            f"| {name} | {fmt_time(med['mpidist'])} | {fmt_time(med['raw'])} | {ratio(times, 'mpidist', 'raw'):.2f} |"
-        )
+        if before:
+            print(
+                f"| {name} | {fmt_time(med['mpidist'])} | {fmt_time(med['before'])} | {fmt_time(med['raw'])} | "
+                f"{ratio(times, 'mpidist', 'raw'):.2f} | {ratio(times, 'before', 'raw'):.2f} | "
+                f"{ratio(times, 'mpidist', 'before'):.2f} |"
+            )
+        else:
+            print(
+                f"| {name} | {fmt_time(med['mpidist'])} | {fmt_time(med['raw'])} | "
+                f"{ratio(times, 'mpidist', 'raw'):.2f} |"
+            )
 
 
 def main() -> int:
@@ -315,8 +377,10 @@ def main() -> int:
     p.add_argument("--small-calls", type=int, default=2000, help="calls per trial for small objects (default 2000)")
     p.add_argument("--no-large", action="store_true", help="only the small objects")
     p.add_argument("--no-small", action="store_true", help="only the large objects")
+    p.add_argument("--before", metavar="FILE", help="another mpidist/objects.py to time next to this one")
     args = p.parse_args()
     dist.init_process_group()
+    args.before_module = load_before(args.before) if args.before else None
     comm = MPI.COMM_WORLD.Dup()
     if comm.rank == 0:
         print(f"mpidist {dist.__version__} from {dist.__file__}; {MPI.Get_library_version().splitlines()[0]}")
@@ -324,9 +388,9 @@ def main() -> int:
     small = [] if args.no_small else small_rows(args, comm)
     if comm.rank == 0:
         if large:
-            print_large(large, comm.size)
+            print_large(large, comm.size, args.before_module is not None)
         if small:
-            print_small(small, comm.size)
+            print_small(small, comm.size, args.before_module is not None)
     comm.Free()
     dist.destroy_process_group()
     return 0
