@@ -11,7 +11,9 @@ over 2 GiB work. Everything runs on the group's private control communicator (ne
 mixing with the arrays the program sends) through its backend's timed calls, so
 every message has the group's timeout.
 
-The wire format, the same for every function (numbers are int64):
+How objects are pickled, and received arrays and tensors rebuilt on the received
+memory, is ``_pickling.py``'s part; this module moves the pieces. The wire format,
+the same for every function (numbers are int64):
 
 1. the head: ``[stream bytes, buffers k, list length]`` for broadcast_object_list and
    send_object_list; every rank's ``[stream bytes, k]`` for all_gather_object and
@@ -38,14 +40,12 @@ usable.
 
 from __future__ import annotations
 
-import copyreg
-import io
 import pickle
-import sys
 from typing import Any
 
 import numpy as np
 
+from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, pickled, receive_buffers, unpickle
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
 
@@ -59,187 +59,8 @@ __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
 ]
 
-#: Buffers of at least this many bytes travel out of band (a message of their own, no copy); smaller
-#: ones are copied into the pickle stream, where they cost less than one more message would.
-OUT_OF_BAND_MIN_BYTES = 64 << 10
-
 _OBJECT_TAG = 1  # on the group's private control communicator: no user message can match it
 _I64 = np.dtype(np.int64)
-_PLAIN, _STORAGE = 0, 1  # kinds of out-of-band buffers (the table's second column)
-
-
-# ---------------------------------------------------------------------------------------------
-# pickling with out-of-band buffers
-# ---------------------------------------------------------------------------------------------
-
-
-class _Memory:
-    """Raw bytes at an address as numpy sees them (``__array_interface__``), keeping their owner alive.
-
-    The owner is a torch storage (sending) or a torch uint8 tensor (receiving).
-    ``Tensor.numpy()`` would mark the storage non-resizable for good (see
-    ``arrays.host._TensorMemory``).
-    """
-
-    __slots__ = ("owner", "__array_interface__")
-
-
-def _bytes_at(address: int, nbytes: int, owner: Any) -> np.ndarray:
-    memory = _Memory()
-    memory.owner = owner
-    memory.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-    return np.asarray(memory)
-
-
-def _reduce_untyped_storage(s: Any) -> Any:
-    """Pickle a torch CPU storage as its memory, a PickleBuffer (out of band if large); others as torch does.
-
-    Every CPU storage goes this way, not only large ones: torch's own way
-    (``torch.save`` per storage) is slow for small ones and, in torch 2.13, fails for
-    the dtypes of ``torch.storage._new_dtypes()`` (uint16, uint32, uint64, float8...).
-    """
-    if s.device.type != "cpu":
-        return s.__reduce__()
-    return _storage, (pickle.PickleBuffer(_bytes_at(s.data_ptr(), s.nbytes(), s)),)
-
-
-def _reduce_typed_storage(s: Any) -> Any:
-    """Pickle a torch TypedStorage (what tensors of most dtypes pickle) as its untyped storage and dtype."""
-    untyped = s._untyped_storage
-    if untyped.device.type != "cpu":
-        return s.__reduce__()
-    return _typed_storage, (untyped, s.dtype)
-
-
-def _storage(buf: Any) -> Any:
-    """Unpickle a storage: the storage of the uint8 tensor it was received into (out of band, no copy), or a
-    copy of the in-band bytes in a new one.
-
-    It comes back as a TypedStorage of uint8 bytes wrapping it, as ``torch.load``
-    gives an untyped storage back and as ``torch._utils._rebuild_tensor_v3`` expects.
-    """
-    import torch
-
-    if not isinstance(buf, torch.Tensor):
-        data = np.frombuffer(buf, np.uint8)
-        tensor = torch.empty(data.size, dtype=torch.uint8)
-        _bytes_at(tensor.data_ptr(), data.size, tensor)[:] = data
-        buf = tensor
-    return torch.storage.TypedStorage(wrap_storage=buf.untyped_storage(), dtype=torch.uint8, _internal=True)
-
-
-def _typed_storage(untyped: Any, dtype: Any) -> Any:
-    import torch
-
-    return torch.storage.TypedStorage(wrap_storage=untyped._untyped_storage, dtype=dtype, _internal=True)
-
-
-def _reduce_ndarray(a: np.ndarray) -> Any:
-    """Pickle a large contiguous numpy array as its memory (a PickleBuffer, out of band); others as numpy does.
-
-    numpy itself does this for most dtypes, but pickles arrays of user-defined dtypes
-    (ml_dtypes' bfloat16, float8...) and datetimes in band, as a copy.
-    """
-    if a.nbytes < OUT_OF_BAND_MIN_BYTES or a.dtype.hasobject or not a.dtype.itemsize:
-        return a.__reduce_ex__(5)
-    if a.flags.c_contiguous:
-        order = "C"
-    elif a.flags.f_contiguous:
-        order = "F"
-    else:
-        return a.__reduce_ex__(5)
-    flat = a.reshape(-1, order=order).view(np.uint8)  # views: the array's own memory
-    return _array, (pickle.PickleBuffer(flat), a.dtype, a.shape, order)
-
-
-def _array(buf: Any, dtype: np.dtype, shape: tuple[int, ...], order: str) -> np.ndarray:
-    """Unpickle an array: a view of the buffer it was received into (no copy)."""
-    return np.frombuffer(buf, dtype).reshape(shape, order=order)
-
-
-def _dispatch_table() -> dict[Any, Any]:
-    """copyreg's reducers, and ours: numpy arrays, torch CPU storages (where torch is imported)."""
-    table = dict(copyreg.dispatch_table)
-    table[np.ndarray] = _reduce_ndarray
-    torch = sys.modules.get("torch")
-    typed = getattr(getattr(torch, "storage", None), "TypedStorage", None)  # None while torch is being imported
-    if typed is not None:
-        table[torch.UntypedStorage] = _reduce_untyped_storage
-        table[typed] = _reduce_typed_storage
-    return table
-
-
-class _Pickled:
-    """An object ready to send: the pickle stream (or a pickling error's text) and the out-of-band buffers."""
-
-    __slots__ = ("stream", "frames", "table")
-
-    def __init__(self, stream: np.ndarray, frames: list[np.ndarray], table: np.ndarray) -> None:
-        self.stream = stream  # uint8
-        self.frames = frames  # uint8 views of the object's memory
-        self.table = table  # int64 rows [bytes, kind], one per frame
-
-
-def _pickle(obj: Any) -> _Pickled:
-    """Pickle ``obj`` (protocol 5); buffers of OUT_OF_BAND_MIN_BYTES or more become frames, not copied."""
-    frames: list[np.ndarray] = []
-    rows: list[tuple[int, int]] = []
-
-    def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        """The buffer_callback: False (out of band) for a large contiguous buffer, True (in band) otherwise."""
-        try:
-            raw = buf.raw()
-        except BufferError:  # not contiguous: in band (pickle copies it, or refuses it as it always would)
-            return True
-        if raw.nbytes < OUT_OF_BAND_MIN_BYTES:
-            return True
-        frames.append(np.frombuffer(raw, np.uint8))
-        rows.append((raw.nbytes, _STORAGE if type(getattr(raw.obj, "base", None)) is _Memory else _PLAIN))
-        return False
-
-    f = io.BytesIO()
-    pickler = pickle.Pickler(f, protocol=5, buffer_callback=out_of_band)
-    pickler.dispatch_table = _dispatch_table()
-    pickler.dump(obj)
-    stream = f.getbuffer()
-    return _Pickled(np.frombuffer(stream, np.uint8), frames, np.array(rows, _I64).reshape(-1, 2))
-
-
-def _torch() -> Any:
-    """The torch module (imported if it was not), or None where it is not installed."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return None
-    return torch
-
-
-def _receive_buffers(table: np.ndarray) -> tuple[list[np.ndarray], list[Any]]:
-    """Exact-size buffers for the frames of ``table``: (the arrays MPI receives into, what pickle gets).
-
-    A torch storage is received into the memory of a new uint8 tensor, whose storage
-    the tensor is then rebuilt on (it stays resizable); anything else into a new
-    numpy uint8 array, which the unpickled array is a view of.
-    """
-    into: list[np.ndarray] = []
-    give: list[Any] = []
-    for nbytes, kind in table.tolist():
-        torch = _torch() if kind == _STORAGE else None
-        if torch is not None:
-            t = torch.empty(nbytes, dtype=torch.uint8)
-            into.append(_bytes_at(t.data_ptr(), nbytes, t))
-            give.append(t)
-        else:
-            a = np.empty(nbytes, np.uint8)
-            into.append(a)
-            give.append(a)
-    return into, give
-
-
-def _unpickle(stream: np.ndarray, buffers: list[Any] | tuple[()] = ()) -> Any:
-    return pickle.loads(stream, buffers=buffers)
 
 
 def _empty() -> np.ndarray:
@@ -259,16 +80,16 @@ _PICKLING_ERRORS = {
 }
 
 
-def _try_pickle(obj: Any) -> tuple[_Pickled, Exception | None]:
-    """``(_pickle(obj), None)``, or (the error's text as the stream, the error) if ``obj`` cannot be pickled."""
+def _try_pickle(obj: Any) -> tuple[Pickled, Exception | None]:
+    """``(pickled(obj), None)``, or (the error's text as the stream, the error) if ``obj`` cannot be pickled."""
     try:
-        return _pickle(obj), None
+        return pickled(obj), None
     except Exception as exc:  # noqa: BLE001 - the text goes to every rank, which all raise (_pickling_error)
         text = np.frombuffer(f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"), np.uint8)
-        return _Pickled(text, [], np.empty((0, 2), _I64)), exc
+        return Pickled(text, [], np.empty((0, 2), _I64)), exc
 
 
-def _announced(p: _Pickled, exc: Exception | None) -> int:
+def _announced(p: Pickled, exc: Exception | None) -> int:
     """The size a rank announces: its stream's, or ``-1 - len(error text)`` if pickling failed."""
     return p.stream.size if exc is None else -1 - p.stream.size
 
@@ -342,7 +163,7 @@ def broadcast_object_list(
         works = [impl.broadcast(stream, None, root, True)]
         table = mine.table if at_root else np.empty((k, 2), _I64)
         impl.broadcast(table, None, root, False)
-        into, buffers = (mine.frames, ()) if at_root else _receive_buffers(table)
+        into, buffers = (mine.frames, ()) if at_root else receive_buffers(table)
         works += [impl.broadcast(frame, None, root, True) for frame in into]
         _wait(works)
     if size < 0:
@@ -353,11 +174,11 @@ def broadcast_object_list(
                 f"{fn}: object_list has {len(object_list)} items here but {count} on the "
                 "source rank; every rank must pass a list of the same length"
             )
-        object_list[:] = _unpickle(stream, buffers)
+        object_list[:] = unpickle(stream, buffers)
     return None
 
 
-def _exchange_heads(impl: Any, mine: _Pickled, exc: Exception | None) -> np.ndarray:
+def _exchange_heads(impl: Any, mine: Pickled, exc: Exception | None) -> np.ndarray:
     """Every rank's ``[stream bytes (negative: a pickling error), frames]``, one row per rank."""
     heads = np.empty((impl.size, 2), _I64)
     impl.all_gather_into_tensor(heads, None, np.array([_announced(mine, exc), len(mine.frames)], _I64), False)
@@ -384,7 +205,7 @@ def _raise_if_failed(impl: Any, sizes: np.ndarray, mine: np.ndarray, exc: Except
     raise _pickling_error(fn, "obj", impl, failed, texts[failed[0]]) from exc
 
 
-def _frame(p: _Pickled, j: int) -> np.ndarray:
+def _frame(p: Pickled, j: int) -> np.ndarray:
     return p.frames[j] if j < len(p.frames) else _empty()
 
 
@@ -397,16 +218,16 @@ def gather_all(impl: Any, obj: Any, fn: str = "all_gather_object") -> list[Any]:
     counts = heads[:, 1].tolist()
     if not any(counts):
         impl.all_gather(streams, None, mine.stream, False)
-        return [_unpickle(s) for s in streams]
+        return [unpickle(s) for s in streams]
     works = [impl.all_gather(streams, None, mine.stream, True)]
     tables = [np.empty((k, 2), _I64) for k in counts]
     impl.all_gather(tables, None, mine.table, False)
-    received = [_receive_buffers(t) for t in tables]
+    received = [receive_buffers(t) for t in tables]
     for j in range(max(counts)):
         outs = [into[j] if j < len(into) else _empty() for into, _ in received]
         works.append(impl.all_gather(outs, None, _frame(mine, j), True))
     _wait(works)
-    return [_unpickle(s, give) for s, (_, give) in zip(streams, received)]
+    return [unpickle(s, give) for s, (_, give) in zip(streams, received)]
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
@@ -472,14 +293,14 @@ def gather_object(
         tables = [np.empty((k, 2), _I64) for k in counts] if at_root else None
         impl.gather(mine.table, tables, None, root, False)
         if tables is not None:
-            received = [_receive_buffers(t) for t in tables]
+            received = [receive_buffers(t) for t in tables]
         for j in range(max(counts)):
             outs = [into[j] if j < len(into) else _empty() for into, _ in received] if at_root else None
             works.append(impl.gather(_frame(mine, j), outs, None, root, True))
         _wait(works)
     if streams is not None:
         for i, (s, (_, give)) in enumerate(zip(streams, received)):
-            slots[i] = _unpickle(s, give)
+            slots[i] = unpickle(s, give)
     return None
 
 
@@ -506,43 +327,43 @@ def scatter_object_list(
         raise ValueError(f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives)")
     head = np.empty(3, _I64)  # [stream bytes, frames, the most frames of any rank]
     exc = None
-    pickled: list[_Pickled] | None = None
+    sent: list[Pickled] | None = None
     if impl.rank == root:
         objs = _check_list(scatter_object_input_list, fn, "scatter_object_input_list")
         if len(objs) != impl.size:
             raise ValueError(
                 f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks"
             )
-        pickled = []
+        sent = []
         for o in objs:
             p, exc = _try_pickle(o)
             if exc is not None:  # every rank gets the error's text instead of an object
-                pickled = [p] * impl.size
+                sent = [p] * impl.size
                 break
-            pickled.append(p)
-        most = max((len(p.frames) for p in pickled), default=0)
-        heads = np.array([[_announced(p, exc), len(p.frames), most] for p in pickled], _I64)
+            sent.append(p)
+        most = max((len(p.frames) for p in sent), default=0)
+        heads = np.array([[_announced(p, exc), len(p.frames), most] for p in sent], _I64)
         impl.scatter(head, None, list(heads), root, False)
     else:
         impl.scatter(head, None, None, root, False)
     size, k, most = head.tolist()
     stream = np.empty(size if size >= 0 else -1 - size, np.uint8)
-    streams = None if pickled is None else [p.stream for p in pickled]
+    streams = None if sent is None else [p.stream for p in sent]
     buffers: Any = ()
     if most == 0:
         impl.scatter(stream, None, streams, root, False)
     else:
         works = [impl.scatter(stream, None, streams, root, True)]
         table = np.empty((k, 2), _I64)
-        impl.scatter(table, None, None if pickled is None else [p.table for p in pickled], root, False)
-        into, buffers = _receive_buffers(table)
+        impl.scatter(table, None, None if sent is None else [p.table for p in sent], root, False)
+        into, buffers = receive_buffers(table)
         for j in range(most):
-            ins = None if pickled is None else [_frame(p, j) for p in pickled]
+            ins = None if sent is None else [_frame(p, j) for p in sent]
             works.append(impl.scatter(into[j] if j < k else _empty(), None, ins, root, True))
         _wait(works)
     if size < 0:
         raise _pickling_error(fn, "an object of scatter_object_input_list", impl, [root], stream) from exc
-    scatter_object_output_list[0] = _unpickle(stream, buffers)
+    scatter_object_output_list[0] = unpickle(stream, buffers)
     return None
 
 
@@ -607,10 +428,10 @@ def recv_object_list(
     if k:
         table = np.empty((k, 2), _I64)
         impl.recv_blocking(table, None, sender, tag).wait()
-        into, buffers = _receive_buffers(table)
+        into, buffers = receive_buffers(table)
         for frame in into:
             impl.recv_blocking(frame, None, sender, tag).wait()
     if count != len(object_list):
         raise ValueError(f"{fn}: object_list has {len(object_list)} slots but {count} objects arrived")
-    object_list[:] = _unpickle(stream, buffers)
+    object_list[:] = unpickle(stream, buffers)
     return pg.ranks[sender]

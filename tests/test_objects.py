@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpidist as dist
-from mpidist import objects
+from mpidist import _pickling, objects
 from mpidist.objects import OUT_OF_BAND_MIN_BYTES as OOB
 
 from helpers import ALL_DTYPES, BF16, Checks, rank_input
@@ -791,7 +791,7 @@ def test_pickle_sends_large_buffers_from_the_objects_memory():
     strided = np.arange(OOB // 4, dtype=np.float64)[::2]  # OOB bytes, not contiguous: in band
     obj = {"at": at, "below": below, "nested": [fortran, {"ro": readonly}], "strided": strided,
            "empty": np.zeros((0, 3)), "bytes": b"x" * OOB}  # fmt: skip
-    p = objects._pickle(obj)
+    p = _pickling.pickled(obj)
     assert len(p.frames) == 3
     for frame, source in zip(p.frames, (at, fortran, readonly)):
         assert frame.dtype == np.uint8 and frame.nbytes == source.nbytes
@@ -803,7 +803,7 @@ def test_pickle_sends_large_buffers_from_the_objects_memory():
 
 
 def test_pickle_of_a_small_object_is_one_stream():
-    p = objects._pickle({"step": 1, "loss": 0.5, "rank": 3})
+    p = _pickling.pickled({"step": 1, "loss": 0.5, "rank": 3})
     assert p.frames == [] and p.table.shape == (0, 2)
     assert pickle.loads(p.stream) == {"step": 1, "loss": 0.5, "rank": 3}
 
@@ -811,14 +811,14 @@ def test_pickle_of_a_small_object_is_one_stream():
 def received_arrays(monkeypatch) -> list:
     """Record the buffers the object functions receive frames into (what MPI writes, what pickle gets)."""
     seen: list = []
-    real = objects._receive_buffers
+    real = objects.receive_buffers
 
     def recording(table):
         into, give = real(table)
         seen.extend(zip(into, give))
         return into, give
 
-    monkeypatch.setattr(objects, "_receive_buffers", recording)
+    monkeypatch.setattr(objects, "receive_buffers", recording)
     return seen
 
 
@@ -1161,7 +1161,7 @@ def test_torch_cpu_tensors_in_objects(rank, world_size, monkeypatch):
 def test_pickle_sends_torch_storages_from_their_memory():
     torch = pytest.importorskip("torch")
     big = torch.arange(OOB // 4, dtype=torch.float32)
-    p = objects._pickle({"big": big, "view": big[3:9], "small": torch.ones(3)})
+    p = _pickling.pickled({"big": big, "view": big[3:9], "small": torch.ones(3)})
     assert p.table.tolist() == [[big.nbytes, 1]]  # one storage, sent once, received as a tensor's memory
     assert p.frames[0].ctypes.data == big.data_ptr()
     big.resize_(OOB)  # the sender's tensor was not made non-resizable
