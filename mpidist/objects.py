@@ -1,15 +1,37 @@
 """Collectives on picklable Python objects.
 
-Objects are pickled with protocol 5; large buffers inside them (numpy arrays,
-bytes-like objects that support out-of-band pickling) travel as separate frames
-of one byte payload, and on the receiving side they are rebuilt on the received
-memory without another copy. Sizes are 64-bit, so objects over 2 GiB work. They run on the group's private
-control communicator, never mixing with the arrays the program sends.
+Objects are pickled with protocol 5. Large contiguous buffers inside them -- numpy
+arrays, torch CPU tensors (their storages), anything that pickles through a
+:class:`pickle.PickleBuffer` -- of at least :data:`OUT_OF_BAND_MIN_BYTES` travel *out
+of band*: each as a message of its own, sent straight from the object's memory and
+received into an exact-size buffer that the unpickled object then uses, with no copy
+on either side. The rest of the object (its structure, small buffers, bytes, strings)
+is the in-band pickle stream, one message. Sizes are 64-bit, so objects and buffers
+over 2 GiB work. Everything runs on the group's private control communicator (never
+mixing with the arrays the program sends) through its backend's timed calls, so
+every message has the group's timeout.
 
-If an object cannot be pickled on one rank, every rank of the collective
-raises the same error at once (the size every collective exchanges first says
-so, and the error text travels instead of the payload), nothing else is sent
-and the group stays usable.
+How objects are pickled, and received arrays and tensors rebuilt on the received
+memory, is ``_pickling.py``'s part; this module moves the pieces. The wire format,
+the same for every function (numbers are int64):
+
+1. the head: ``[stream bytes, buffers k, list length]`` for broadcast_object_list and
+   send_object_list; every rank's ``[stream bytes, k]`` for all_gather_object and
+   gather_object (exchanged among all ranks); ``[stream bytes, k, largest k]`` for
+   each rank from scatter_object_list's source;
+2. the pickle stream;
+3. only if some k > 0: the table of the buffers, k rows ``[bytes, kind]`` (kind 1: a
+   torch storage, received into the memory of a new torch tensor; 0: anything else,
+   received into a new numpy uint8 array);
+4. the k buffers, one message each (the gather and scatter functions: one collective
+   per buffer index, in which a rank with fewer buffers moves nothing).
+
+A small object is steps 1 and 2: two messages.
+
+If an object cannot be pickled on one rank, every rank of the collective raises the
+same error at once: the head says so (a negative size, ``-1 - len(error text)``), the
+error's text travels instead of the stream, nothing else is sent and the group stays
+usable.
 
 .. warning::
    These functions unpickle what other ranks send. Unpickling untrusted data can
@@ -23,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, pickled, receive_buffers, unpickle
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
 
@@ -33,49 +56,21 @@ __all__ = [
     "scatter_object_list",
     "send_object_list",
     "recv_object_list",
-    "dumps",
-    "loads",
+    "OUT_OF_BAND_MIN_BYTES",
 ]
 
-_ALIGN = 64
 _OBJECT_TAG = 1  # on the group's private control communicator: no user message can match it
 _I64 = np.dtype(np.int64)
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _empty() -> np.ndarray:
+    """Nothing to move: a rank's part of a frame collective beyond its own frames (a new array each time)."""
+    return np.empty(0, np.uint8)
 
 
-def dumps(obj: Any) -> np.ndarray:
-    """Serialize ``obj`` into one uint8 payload: a header of frame sizes, then the frames.
-
-    Frame 0 is the pickle stream (protocol 5); the others are its out-of-band
-    buffers, each starting at a 64-byte boundary.
-    """
-    buffers: list[pickle.PickleBuffer] = []
-    main = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    frames = [memoryview(main)] + [b.raw() for b in buffers]
-    header = np.array([len(frames)] + [f.nbytes for f in frames], _I64)
-    offset = _aligned(header.nbytes)
-    payload = np.empty(offset + sum(_aligned(f.nbytes) for f in frames), np.uint8)
-    payload[: header.nbytes] = header.view(np.uint8)
-    for f in frames:
-        payload[offset : offset + f.nbytes] = np.frombuffer(f, np.uint8)
-        offset += _aligned(f.nbytes)
-    return payload
-
-
-def loads(payload: np.ndarray) -> Any:
-    """Rebuild the object of a :func:`dumps` payload; buffers alias ``payload`` (no copy)."""
-    count = int(payload[:8].view(_I64)[0])
-    sizes = payload[8 : 8 * (count + 1)].view(_I64)
-    view = memoryview(payload)
-    offset = _aligned(8 * (count + 1))
-    frames = []
-    for size in sizes.tolist():
-        frames.append(view[offset : offset + size])
-        offset += _aligned(size)
-    return pickle.loads(frames[0], buffers=frames[1:])
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
 
 
 #: pickling errors every rank raises as the same type; any other is raised as pickle.PicklingError
@@ -85,17 +80,18 @@ _PICKLING_ERRORS = {
 }
 
 
-def _try_dumps(obj: Any) -> tuple[np.ndarray, Exception | None]:
-    """``(dumps(obj), None)``, or ``(the error as UTF-8 text, the error)`` if ``obj`` cannot be pickled."""
+def _try_pickle(obj: Any) -> tuple[Pickled, Exception | None]:
+    """``(pickled(obj), None)``, or (the error's text as the stream, the error) if ``obj`` cannot be pickled."""
     try:
-        return dumps(obj), None
+        return pickled(obj), None
     except Exception as exc:  # noqa: BLE001 - the text goes to every rank, which all raise (_pickling_error)
-        return np.frombuffer(f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"), np.uint8), exc
+        text = np.frombuffer(f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"), np.uint8)
+        return Pickled(text, [], np.empty((0, 2), _I64)), exc
 
 
-def _announced(payload: np.ndarray, exc: Exception | None) -> int:
-    """The size a rank announces: its payload's, or ``-1 - len(error text)`` if pickling failed."""
-    return payload.size if exc is None else -1 - payload.size
+def _announced(p: Pickled, exc: Exception | None) -> int:
+    """The size a rank announces: its stream's, or ``-1 - len(error text)`` if pickling failed."""
+    return p.stream.size if exc is None else -1 - p.stream.size
 
 
 def _pickling_error(fn: str, what: str, impl: Any, ranks: list[int], text: np.ndarray) -> Exception:
@@ -133,7 +129,8 @@ def broadcast_object_list(
     """Replace ``object_list``'s items on every rank with those of rank ``src`` (default 0).
 
     Every rank passes a list of the same length. ``device`` is accepted for torch
-    compatibility. Unpickles data from ``src``: use only with trusted peers.
+    compatibility. Large arrays and CPU tensors in the objects arrive without a copy
+    (see the module's docstring). Unpickles data from ``src``: use only with trusted peers.
 
     Example (``mpiexec -n 3``)::
 
@@ -149,33 +146,43 @@ def broadcast_object_list(
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     _check_list(object_list, fn, "object_list")
     impl = pg.control
+    at_root = impl.rank == root
     exc = None
-    if impl.rank == root:
-        payload, exc = _try_dumps(list(object_list))
-        head = np.array([_announced(payload, exc), len(object_list)], _I64)
+    if at_root:
+        mine, exc = _try_pickle(list(object_list))
+        head = np.array([_announced(mine, exc), len(mine.frames), len(object_list)], _I64)
     else:
-        head = np.empty(2, _I64)
+        head = np.empty(3, _I64)
     impl.broadcast(head, None, root, False)
-    size = int(head[0])
-    if impl.rank != root:
-        payload = np.empty(size if size >= 0 else -1 - size, np.uint8)
-    impl.broadcast(payload, None, root, False)  # the objects, or the pickling error's text
+    size, k, count = head.tolist()
+    stream = mine.stream if at_root else np.empty(size if size >= 0 else -1 - size, np.uint8)
+    buffers: Any = ()
+    if k == 0:
+        impl.broadcast(stream, None, root, False)  # the objects, or the pickling error's text
+    else:
+        works = [impl.broadcast(stream, None, root, True)]
+        table = mine.table if at_root else np.empty((k, 2), _I64)
+        impl.broadcast(table, None, root, False)
+        into, buffers = (mine.frames, ()) if at_root else receive_buffers(table)
+        works += [impl.broadcast(frame, None, root, True) for frame in into]
+        _wait(works)
     if size < 0:
-        raise _pickling_error(fn, "object_list", impl, [root], payload) from exc
-    if impl.rank != root:
-        if int(head[1]) != len(object_list):
+        raise _pickling_error(fn, "object_list", impl, [root], stream) from exc
+    if not at_root:
+        if count != len(object_list):
             raise ValueError(
-                f"{fn}: object_list has {len(object_list)} items here but {int(head[1])} on the "
+                f"{fn}: object_list has {len(object_list)} items here but {count} on the "
                 "source rank; every rank must pass a list of the same length"
             )
-        object_list[:] = loads(payload)
+        object_list[:] = unpickle(stream, buffers)
     return None
 
 
-def _exchange_sizes(impl: Any, mine: int) -> np.ndarray:
-    sizes = np.empty(impl.size, _I64)
-    impl.all_gather_into_tensor(sizes, None, np.array([mine], _I64), False)
-    return sizes
+def _exchange_heads(impl: Any, mine: Pickled, exc: Exception | None) -> np.ndarray:
+    """Every rank's ``[stream bytes (negative: a pickling error), frames]``, one row per rank."""
+    heads = np.empty((impl.size, 2), _I64)
+    impl.all_gather_into_tensor(heads, None, np.array([_announced(mine, exc), len(mine.frames)], _I64), False)
+    return heads
 
 
 def _slices(sizes: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -198,20 +205,36 @@ def _raise_if_failed(impl: Any, sizes: np.ndarray, mine: np.ndarray, exc: Except
     raise _pickling_error(fn, "obj", impl, failed, texts[failed[0]]) from exc
 
 
+def _frame(p: Pickled, j: int) -> np.ndarray:
+    return p.frames[j] if j < len(p.frames) else _empty()
+
+
 def gather_all(impl: Any, obj: Any, fn: str = "all_gather_object") -> list[Any]:
     """Every rank's ``obj``, gathered over backend ``impl`` (collective; used by debug checks too)."""
-    mine, exc = _try_dumps(obj)
-    sizes = _exchange_sizes(impl, _announced(mine, exc))
-    _raise_if_failed(impl, sizes, mine, exc, fn)
-    _, views = _slices(sizes)
-    impl.all_gather(views, None, mine, False)
-    return [loads(v) for v in views]
+    mine, exc = _try_pickle(obj)
+    heads = _exchange_heads(impl, mine, exc)
+    _raise_if_failed(impl, heads[:, 0], mine.stream, exc, fn)
+    _, streams = _slices(heads[:, 0])
+    counts = heads[:, 1].tolist()
+    if not any(counts):
+        impl.all_gather(streams, None, mine.stream, False)
+        return [unpickle(s) for s in streams]
+    works = [impl.all_gather(streams, None, mine.stream, True)]
+    tables = [np.empty((k, 2), _I64) for k in counts]
+    impl.all_gather(tables, None, mine.table, False)
+    received = [receive_buffers(t) for t in tables]
+    for j in range(max(counts)):
+        outs = [into[j] if j < len(into) else _empty() for into, _ in received]
+        works.append(impl.all_gather(outs, None, _frame(mine, j), True))
+    _wait(works)
+    return [unpickle(s, give) for s, (_, give) in zip(streams, received)]
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """Fill ``object_list`` (one slot per rank) with every rank's ``obj``.
 
-    Unpickles data from every rank: use only with trusted peers.
+    Large arrays and CPU tensors in the objects arrive without a copy (see the
+    module's docstring). Unpickles data from every rank: use only with trusted peers.
 
     Example (``mpiexec -n 3``)::
 
@@ -257,14 +280,27 @@ def gather_object(
             raise ValueError(f"{fn}: object_gather_list has {len(slots)} slots but the group has {impl.size} ranks")
     elif object_gather_list:
         raise ValueError(f"{fn}: object_gather_list must be None on non-destination ranks")
-    mine, exc = _try_dumps(obj)
-    sizes = _exchange_sizes(impl, _announced(mine, exc))  # every rank learns of a pickling error
-    _raise_if_failed(impl, sizes, mine, exc, fn)
-    views = _slices(sizes)[1] if at_root else None
-    impl.gather(mine, views, None, root, False)
-    if views is not None:
-        for i, v in enumerate(views):
-            slots[i] = loads(v)
+    mine, exc = _try_pickle(obj)
+    heads = _exchange_heads(impl, mine, exc)  # every rank learns of a pickling error, and every rank's frames
+    _raise_if_failed(impl, heads[:, 0], mine.stream, exc, fn)
+    streams = _slices(heads[:, 0])[1] if at_root else None
+    counts = heads[:, 1].tolist()
+    received: list[tuple[list[np.ndarray], Any]] = [([], ())] * impl.size
+    if not any(counts):
+        impl.gather(mine.stream, streams, None, root, False)
+    else:
+        works = [impl.gather(mine.stream, streams, None, root, True)]
+        tables = [np.empty((k, 2), _I64) for k in counts] if at_root else None
+        impl.gather(mine.table, tables, None, root, False)
+        if tables is not None:
+            received = [receive_buffers(t) for t in tables]
+        for j in range(max(counts)):
+            outs = [into[j] if j < len(into) else _empty() for into, _ in received] if at_root else None
+            works.append(impl.gather(_frame(mine, j), outs, None, root, True))
+        _wait(works)
+    if streams is not None:
+        for i, (s, (_, give)) in enumerate(zip(streams, received)):
+            slots[i] = unpickle(s, give)
     return None
 
 
@@ -289,32 +325,45 @@ def scatter_object_list(
     _check_list(scatter_object_output_list, fn, "scatter_object_output_list")
     if not scatter_object_output_list:
         raise ValueError(f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives)")
-    size = np.empty(1, _I64)
+    head = np.empty(3, _I64)  # [stream bytes, frames, the most frames of any rank]
     exc = None
+    sent: list[Pickled] | None = None
     if impl.rank == root:
         objs = _check_list(scatter_object_input_list, fn, "scatter_object_input_list")
         if len(objs) != impl.size:
             raise ValueError(
                 f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks"
             )
-        payloads = []
+        sent = []
         for o in objs:
-            payload, exc = _try_dumps(o)
+            p, exc = _try_pickle(o)
             if exc is not None:  # every rank gets the error's text instead of an object
-                payloads = [payload] * impl.size
+                sent = [p] * impl.size
                 break
-            payloads.append(payload)
-        sizes = np.array([_announced(p, exc) for p in payloads], _I64)
-        impl.scatter(size, None, [sizes[i : i + 1] for i in range(impl.size)], root, False)
+            sent.append(p)
+        most = max((len(p.frames) for p in sent), default=0)
+        heads = np.array([[_announced(p, exc), len(p.frames), most] for p in sent], _I64)
+        impl.scatter(head, None, list(heads), root, False)
     else:
-        payloads = None
-        impl.scatter(size, None, None, root, False)
-    n = int(size[0])
-    mine = np.empty(n if n >= 0 else -1 - n, np.uint8)
-    impl.scatter(mine, None, payloads, root, False)
-    if n < 0:
-        raise _pickling_error(fn, "an object of scatter_object_input_list", impl, [root], mine) from exc
-    scatter_object_output_list[0] = loads(mine)
+        impl.scatter(head, None, None, root, False)
+    size, k, most = head.tolist()
+    stream = np.empty(size if size >= 0 else -1 - size, np.uint8)
+    streams = None if sent is None else [p.stream for p in sent]
+    buffers: Any = ()
+    if most == 0:
+        impl.scatter(stream, None, streams, root, False)
+    else:
+        works = [impl.scatter(stream, None, streams, root, True)]
+        table = np.empty((k, 2), _I64)
+        impl.scatter(table, None, None if sent is None else [p.table for p in sent], root, False)
+        into, buffers = receive_buffers(table)
+        for j in range(most):
+            ins = None if sent is None else [_frame(p, j) for p in sent]
+            works.append(impl.scatter(into[j] if j < k else _empty(), None, ins, root, True))
+        _wait(works)
+    if size < 0:
+        raise _pickling_error(fn, "an object of scatter_object_input_list", impl, [root], stream) from exc
+    scatter_object_output_list[0] = unpickle(stream, buffers)
     return None
 
 
@@ -334,12 +383,16 @@ def send_object_list(
     peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     _not_self(pg, peer, fn, "destination")
     _check_list(object_list, fn, "object_list")
-    payload, exc = _try_dumps(list(object_list))
+    mine, exc = _try_pickle(list(object_list))
     if exc is not None:
-        raise _pickling_error(fn, "object_list", pg.control, [pg.rank()], payload) from exc
-    tag = _OBJECT_TAG
-    pg.control.send(np.array([payload.size, len(object_list)], _I64), peer, tag).wait()
-    pg.control.send(payload, peer, tag).wait()
+        raise _pickling_error(fn, "object_list", pg.control, [pg.rank()], mine.stream) from exc
+    impl, tag = pg.control, _OBJECT_TAG
+    head = np.array([mine.stream.size, len(mine.frames), len(object_list)], _I64)
+    works = [impl.send(head, peer, tag), impl.send(mine.stream, peer, tag)]
+    if mine.frames:
+        works.append(impl.send(mine.table, peer, tag))
+        works += [impl.send(frame, peer, tag) for frame in mine.frames]
+    _wait(works)
     return None
 
 
@@ -363,14 +416,22 @@ def recv_object_list(
     peer = None if src is None and group_src is None else root_rank(pg, src, group_src, fn, ("src", "group_src"))
     if peer is not None:
         _not_self(pg, peer, fn, "source")
-    tag = _OBJECT_TAG
-    head = np.empty(2, _I64)
-    w = pg.control.recv_blocking(head, None, peer, tag)  # a timeout leaves nothing posted
+    impl, tag = pg.control, _OBJECT_TAG
+    head = np.empty(3, _I64)
+    w = impl.recv_blocking(head, None, peer, tag)  # a timeout leaves nothing posted
     w.wait()
     sender = w.source_rank()
-    payload = np.empty(int(head[0]), np.uint8)
-    pg.control.recv_blocking(payload, None, sender, tag).wait()
-    if int(head[1]) != len(object_list):
-        raise ValueError(f"{fn}: object_list has {len(object_list)} slots but {int(head[1])} objects arrived")
-    object_list[:] = loads(payload)
+    size, k, count = head.tolist()
+    stream = np.empty(size, np.uint8)
+    impl.recv_blocking(stream, None, sender, tag).wait()
+    buffers: Any = ()
+    if k:
+        table = np.empty((k, 2), _I64)
+        impl.recv_blocking(table, None, sender, tag).wait()
+        into, buffers = receive_buffers(table)
+        for frame in into:
+            impl.recv_blocking(frame, None, sender, tag).wait()
+    if count != len(object_list):
+        raise ValueError(f"{fn}: object_list has {len(object_list)} slots but {count} objects arrived")
+    object_list[:] = unpickle(stream, buffers)
     return pg.ranks[sender]

@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 import mpidist as dist
-from mpidist.objects import dumps, loads
+from mpidist import _pickling, objects
+from mpidist.objects import OUT_OF_BAND_MIN_BYTES as OOB
 
 from helpers import ALL_DTYPES, BF16, Checks, rank_input
+
+pytestmark = pytest.mark.timeout(120)
 
 NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 PICKLE_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
@@ -725,7 +728,7 @@ def test_object_collectives_members_and_non_members_of_a_real_group(rank, world_
 
 
 # ---------------------------------------------------------------------------------------------
-# dumps / loads
+# round trips (every rank unpickles every rank's object)
 # ---------------------------------------------------------------------------------------------
 
 ROUND_TRIP = {
@@ -744,43 +747,421 @@ ROUND_TRIP = {
     "empty": np.zeros(0, np.int64),
     "numpy_scalar": np.float32(2.5),
     "mixed": [np.ones(3, np.complex128), "x", np.zeros((2, 2), np.bool_)],
+    "large": np.arange(OOB, dtype=np.int16).reshape(2, -1),
+    "large_bytes": bytes(range(256)) * (OOB // 256 + 1),  # bytes stay in band, whatever their size
+    "large_bytearray": bytearray(OOB + 1),
 }
 
 
 @pytest.mark.parametrize("name", list(ROUND_TRIP))
-def test_dumps_loads_round_trip(name):
-    obj = ROUND_TRIP[name]
-    payload = dumps(obj)
-    assert isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and payload.ndim == 1
-    assert_same(loads(payload.copy()), obj)  # from a copy, as a receiver has it
-    assert_same(loads(payload), obj)
+def test_round_trip(name, rank, world_size):
+    out = [None] * world_size
+    dist.all_gather_object(out, ROUND_TRIP[name])
+    for got in out:
+        assert_same(got, ROUND_TRIP[name])
 
 
-def test_dumps_puts_large_buffers_out_of_band():
-    a = np.arange(4096, dtype=np.float64)
-    b = np.arange(100, dtype=np.int16).reshape(10, 10)
-    payload = dumps({"a": a, "b": b, "s": "small"})
-    count = int(payload[:8].view(np.int64)[0])
-    assert count == 3  # the pickle stream and one frame per array
-    sizes = payload[8 : 8 * (count + 1)].view(np.int64).tolist()
-    assert sizes[1:] == [a.nbytes, b.nbytes]
-    assert payload.nbytes >= a.nbytes + b.nbytes
-    received = payload.copy()
-    obj = loads(received)
-    assert np.array_equal(obj["a"], a) and np.array_equal(obj["b"], b) and obj["s"] == "small"
-    # rebuilt on the received memory, without another copy
-    assert np.shares_memory(obj["a"], received) and np.shares_memory(obj["b"], received)
-    assert obj["a"].ctypes.data % obj["a"].dtype.alignment == 0
+def test_shared_references_stay_shared(rank, world_size):
+    """An array that appears twice is one buffer and arrives as one array (pickle's memo), out of band or not."""
+    big, small, d = np.arange(OOB, dtype=np.int32), np.arange(5), {"k": 1}
+    out = [None] * world_size
+    dist.all_gather_object(out, [big, big, small, small, d, d])
+    for got in out:
+        assert got[0] is got[1] and got[2] is got[3] and got[4] is got[5]
+        assert np.array_equal(got[0], big) and np.array_equal(got[2], small) and got[4] == d
 
 
-def test_dumps_loads_keeps_shared_references():
-    a = np.arange(1000, dtype=np.int32)
-    d = {"k": 1}
-    obj = loads(dumps([a, a, d, d]).copy())
-    assert obj[0] is obj[1] and obj[2] is obj[3]
-    assert np.array_equal(obj[0], a)
+# ---------------------------------------------------------------------------------------------
+# out-of-band buffers: large arrays and tensors travel as messages of their own, without copies
+# ---------------------------------------------------------------------------------------------
 
 
-def test_dumps_of_unpicklable_raises():
-    with pytest.raises(PICKLE_ERRORS):
-        dumps(threading.Lock())
+def test_threshold_is_64_kib():
+    assert OOB == 64 << 10
+
+
+def test_pickle_sends_large_buffers_from_the_objects_memory():
+    """Buffers of OOB bytes or more become frames that are the object's own memory (no copy on the sender);
+    smaller, non-contiguous, zero-size and bytes-like ones stay in the pickle stream."""
+    at = np.arange(OOB, dtype=np.uint8)  # exactly the threshold: out of band
+    below = np.arange(OOB - 1, dtype=np.uint8)  # one byte less: in band
+    fortran = np.asfortranarray(np.arange(OOB // 8 * 2, dtype=np.float64).reshape(2, -1))
+    readonly = np.arange(OOB // 4 * 3, dtype=np.int32)
+    readonly.flags.writeable = False
+    strided = np.arange(OOB // 4, dtype=np.float64)[::2]  # OOB bytes, not contiguous: in band
+    obj = {"at": at, "below": below, "nested": [fortran, {"ro": readonly}], "strided": strided,
+           "empty": np.zeros((0, 3)), "bytes": b"x" * OOB}  # fmt: skip
+    p = _pickling.pickled(obj)
+    assert len(p.frames) == 3
+    for frame, source in zip(p.frames, (at, fortran, readonly)):
+        assert frame.dtype == np.uint8 and frame.nbytes == source.nbytes
+        assert frame.ctypes.data == source.ctypes.data  # the object's memory itself
+    assert p.table.tolist() == [[at.nbytes, 0], [fortran.nbytes, 0], [readonly.nbytes, 0]]
+    assert not p.frames[2].flags.writeable  # a read-only array is sent as it is
+    in_band = below.nbytes + strided.nbytes + OOB  # the in-band buffers are copied into the stream
+    assert in_band <= p.stream.nbytes < in_band + 4096
+
+
+def test_pickle_of_a_small_object_is_one_stream():
+    p = _pickling.pickled({"step": 1, "loss": 0.5, "rank": 3})
+    assert p.frames == [] and p.table.shape == (0, 2)
+    assert pickle.loads(p.stream) == {"step": 1, "loss": 0.5, "rank": 3}
+
+
+def received_arrays(monkeypatch) -> list:
+    """Record the buffers the object functions receive frames into (what MPI writes, what pickle gets)."""
+    seen: list = []
+    real = objects.receive_buffers
+
+    def recording(table):
+        into, give = real(table)
+        seen.extend(zip(into, give))
+        return into, give
+
+    monkeypatch.setattr(objects, "receive_buffers", recording)
+    return seen
+
+
+def root_base(a: np.ndarray):
+    """The object at the end of ``a``'s base chain (through memoryviews): what owns its memory."""
+    while True:
+        base = a.base if isinstance(a, np.ndarray) else getattr(a, "obj", None)
+        if base is None:
+            return a
+        a = base
+
+
+def mixed_arrays_of(r: int) -> dict:
+    """Arrays of many dtypes, shapes and sizes on both sides of the threshold, nested; rank-dependent."""
+    big = OOB + 8 * 64 * r  # bytes, rank-dependent
+    return {
+        "f64": np.arange(big // 8, dtype=np.float64) * 0.5 + r,
+        "i32_at_threshold": np.arange(OOB // 4, dtype=np.int32) - r,
+        "u8_below_threshold": (np.arange(OOB - 1) % 251).astype(np.uint8) + r,
+        "bf16": rank_input(r, (4, big // 8), BF16),
+        "c64": rank_input(r, (2, 4, big // 64), np.dtype(np.complex64)),
+        "bool": rank_input(r, (big,), np.dtype(np.bool_)),
+        "fortran": np.asfortranarray(rank_input(r, (big // 256, 64), np.dtype(np.float32))),
+        "strided": (np.arange(big // 2, dtype=np.float64) + r)[::2],  # not contiguous: in band
+        "empty": np.zeros((0, 5), np.float32),
+        "small": np.arange(7, dtype=np.int8) + r,
+        "nested": [
+            {"i16": np.arange(OOB, dtype=np.int16) + r, "more": [np.arange(3) + r, np.full(OOB // 8, r, np.uint64)]},
+            ("f16", rank_input(r, (big // 2,), np.dtype(np.float16))),
+        ],
+        "rank": r,
+    }
+
+
+#: keys (paths) of mixed_arrays_of's arrays that travel out of band
+OUT_OF_BAND = {"f64", "i32_at_threshold", "bf16", "c64", "bool", "fortran", "nested/0/i16", "nested/0/more/1",
+               "nested/1/1"}  # fmt: skip
+
+
+def arrays_in(obj, path: str = "") -> dict:
+    """Every numpy array in a nest of dicts, lists and tuples, by path."""
+    if isinstance(obj, np.ndarray):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    found = {}
+    for k, v in items:
+        found.update(arrays_in(v, f"{path}/{k}" if path else str(k)))
+    return found
+
+
+def check_mixed(c: Checks, what: str, got, r: int, received: list) -> None:
+    """Values, dtypes, shapes and layout as sent; writable; out-of-band arrays are views of a receive buffer of
+    their exact size (no copy on the receiver), the others are not."""
+    expected = mixed_arrays_of(r)
+    c.true(f"{what}: rank field {got.get('rank') if isinstance(got, dict) else got!r}", isinstance(got, dict)
+           and got.get("rank") == r)  # fmt: skip
+    if not isinstance(got, dict):
+        return
+    arrays, exp = arrays_in(got), arrays_in(expected)
+    c.equal(f"{what}: array paths", sorted(arrays), sorted(exp))
+    buffers = [into for into, _ in received]
+    for path, e in exp.items():
+        g = arrays.get(path)
+        if g is None:
+            continue
+        c.true(f"{what}/{path}: {g.dtype}{g.shape} vs {e.dtype}{e.shape}", g.dtype == e.dtype and g.shape == e.shape)
+        c.true(f"{what}/{path}: values differ", bool(np.array_equal(g, e)))
+        c.true(f"{what}/{path}: not writable", g.flags.writeable)
+        c.true(f"{what}/{path}: layout", g.flags.f_contiguous if path == "fortran" else g.flags.c_contiguous)
+        owner = root_base(g)
+        if path in OUT_OF_BAND:
+            c.true(f"{what}/{path}: not a view of a receive buffer (owner {type(owner).__name__})",
+                   any(owner is b for b in buffers))  # fmt: skip
+            c.true(f"{what}/{path}: receive buffer of {getattr(owner, 'nbytes', '?')} bytes for {g.nbytes}",
+                   isinstance(owner, np.ndarray) and owner.nbytes == g.nbytes and owner.dtype == np.uint8)  # fmt: skip
+        else:
+            c.true(f"{what}/{path}: in-band array is a view of a receive buffer", not any(owner is b for b in buffers))
+
+
+def test_out_of_band_broadcast_every_src(rank, world_size, monkeypatch):
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    for src in range(world_size):
+        before = len(received)
+        sent = [mixed_arrays_of(src), "tail", np.arange(OOB, dtype=np.uint8)]
+        objs = list(sent) if rank == src else [None] * 3
+        dist.broadcast_object_list(objs, src=src)
+        if rank == src:
+            c.true("the source's objects stay as they were", all(a is b for a, b in zip(objs, sent)))
+            c.equal("nothing received on the source", len(received), before)
+            continue
+        check_mixed(c, f"src {src}", objs[0], src, received)
+        c.equal(f"src {src}: tail", objs[1], "tail")
+        c.equal(f"src {src}: third", objs[2], np.arange(OOB, dtype=np.uint8))
+        c.equal(f"src {src}: frames received", len(received) - before, len(OUT_OF_BAND) + 1)
+    c.done()
+
+
+def oob_count_of(r: int) -> int:
+    """How many out-of-band arrays rank r's object in the mixed tests has: none on odd ranks, r // 2 + 1 else."""
+    return 0 if r % 2 else r // 2 + 1
+
+
+def varied_object_of(r: int) -> dict:
+    """Rank-dependent: odd ranks send small objects only, even ranks 1, 2, ... large arrays (and a small one)."""
+    return {"rank": r, "small": np.arange(r + 1),
+            "large": [np.full(OOB // 8 + j, r * 10 + j, np.int64) for j in range(oob_count_of(r))]}  # fmt: skip
+
+
+def check_varied(c: Checks, what: str, got, r: int, received: list) -> None:
+    if not (isinstance(got, dict) and got.get("rank") == r):
+        c.true(f"{what}: got {type(got).__name__}", False)
+        return
+    c.equal(f"{what}: small", got["small"], np.arange(r + 1))
+    c.equal(f"{what}: number of large arrays", len(got["large"]), oob_count_of(r))
+    for j, a in enumerate(got["large"]):
+        c.equal(f"{what}: large[{j}]", a, np.full(OOB // 8 + j, r * 10 + j, np.int64))
+        c.true(f"{what}: large[{j}] not writable", a.flags.writeable)
+        owner = root_base(a)
+        c.true(f"{what}: large[{j}] is not a view of its own receive buffer",
+               any(owner is into for into, _ in received) and owner.nbytes == a.nbytes)  # fmt: skip
+
+
+def test_out_of_band_all_gather_object_mixed_ranks(rank, world_size, monkeypatch):
+    """Ranks with no large array, one, two...: every rank gets every object, large arrays without copies."""
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    out = [None] * world_size
+    dist.all_gather_object(out, varied_object_of(rank))
+    for r in range(world_size):
+        check_varied(c, f"slot {r}", out[r], r, received)
+    c.equal("frames received", len(received), sum(oob_count_of(r) for r in range(world_size)))
+    mixed = [None] * world_size
+    dist.all_gather_object(mixed, mixed_arrays_of(rank))
+    for r in range(world_size):
+        check_mixed(c, f"mixed slot {r}", mixed[r], r, received)
+    # every array has its own memory: writing one changes no other
+    for r in range(world_size):
+        mixed[r]["f64"][:] = -1
+    for r in range(world_size):
+        c.equal(
+            f"slot {r} after writing the others", mixed[r]["i32_at_threshold"], mixed_arrays_of(r)["i32_at_threshold"]
+        )
+    c.done()
+
+
+def test_out_of_band_gather_object_mixed_ranks_every_dst(rank, world_size, monkeypatch):
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    for dst in range(world_size):
+        before = len(received)
+        out = [None] * world_size if rank == dst else None
+        dist.gather_object(varied_object_of(rank), out, dst=dst)
+        if rank != dst:
+            c.equal(f"dst {dst}: nothing received here", len(received), before)
+            continue
+        for r in range(world_size):
+            check_varied(c, f"dst {dst} slot {r}", out[r], r, received[before:])
+    out = [None] * world_size if rank == 0 else None
+    dist.gather_object(mixed_arrays_of(rank), out, dst=0)
+    if rank == 0:
+        for r in range(world_size):
+            check_mixed(c, f"mixed slot {r}", out[r], r, received)
+    c.done()
+
+
+def test_out_of_band_scatter_object_list_every_src(rank, world_size, monkeypatch):
+    """The source sends objects with different numbers of large arrays (some none) to the ranks."""
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    for src in range(world_size):
+        before = len(received)
+        out = [None]
+        ins = [varied_object_of(r) for r in range(world_size)] if rank == src else None
+        dist.scatter_object_list(out, ins, src=src)
+        check_varied(c, f"src {src}", out[0], rank, received[before:])
+        c.equal(f"src {src}: frames received", len(received) - before, oob_count_of(rank))
+    out = [None]
+    dist.scatter_object_list(out, [mixed_arrays_of(r) for r in range(world_size)] if rank == 0 else None, src=0)
+    check_mixed(c, "mixed", out[0], rank, received)
+    c.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_out_of_band_send_recv_object_list(rank, world_size, monkeypatch):
+    """A ring of objects with large arrays, then of objects without, then from any source: nothing is left over
+    between them."""
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    prv = (rank - 1) % world_size
+    inp = [None, None]
+    c.equal("sender", ring_send_recv_objects([mixed_arrays_of(rank), "x"], inp, rank, world_size), prv)
+    check_mixed(c, "ring", inp[0], prv, received)
+    c.equal("second item", inp[1], "x")
+    inp = [None]
+    c.equal("sender (small)", ring_send_recv_objects([varied_object_of(rank)], inp, rank, world_size), prv)
+    check_varied(c, "small ring", inp[0], prv, received)
+    inp = [None]
+    c.equal("sender (any source)",
+            ring_send_recv_objects([varied_object_of(rank + 1)], inp, rank, world_size, any_source=True), prv)  # fmt: skip
+    check_varied(c, "any-source ring", inp[0], prv + 1, received)
+    c.done()
+
+
+def test_read_only_arrays_arrive_read_only(rank, world_size):
+    """As pickle does: a read-only array arrives read-only (in band and out of band), a writable one writable."""
+    ro_big, ro_small = np.arange(OOB, dtype=np.int16), np.arange(4)
+    ro_big.flags.writeable = ro_small.flags.writeable = False
+    out = [None] * world_size
+    dist.all_gather_object(out, [ro_big, ro_small, np.arange(OOB, dtype=np.int16)])
+    src = world_size - 1
+    objs = [ro_big, ro_small, np.arange(OOB, dtype=np.int16)] if rank == src else [None] * 3
+    dist.broadcast_object_list(objs, src=src)  # the source sends its read-only memory as it is
+    for got in out + ([] if rank == src else [objs]):
+        assert [a.flags.writeable for a in got] == [False, False, True]
+        assert np.array_equal(got[0], ro_big) and np.array_equal(got[1], ro_small) and np.array_equal(got[2], ro_big)
+
+
+@pytest.mark.parametrize("fn", list(PICKLED_ARG))
+def test_one_rank_cannot_pickle_while_the_others_have_large_arrays(fn, rank, world_size):
+    """The other ranks' objects hold out-of-band arrays: still the same error on every rank at once, nothing
+    is left in flight (the group works afterwards)."""
+    bad_rank = world_size - 1
+    g = dist.new_group(timeout=30)
+    c = Checks()
+    big = {"array": np.arange(OOB, dtype=np.float64), "rank": rank}
+    start = time.monotonic()
+    mine = threading.Lock() if rank == bad_rank else big
+    expected = (f"{fn}: {PICKLED_ARG[fn]} of rank {bad_rank} could not be pickled (TypeError: cannot pickle "
+                "'_thread.lock' object); no object was sent and the group is still usable")  # fmt: skip
+    if fn == "broadcast_object_list":  # the source has large arrays besides the lock
+        call = lambda: dist.broadcast_object_list([big, mine] if rank == bad_rank else [None, None],  # noqa: E731
+                                                  src=bad_rank, group=g)  # fmt: skip
+    elif fn == "scatter_object_list":
+        objs = [dict(big, to=i) for i in range(world_size)]
+        objs[-1] = threading.Lock()
+        call = lambda: dist.scatter_object_list([None], objs if rank == bad_rank else None,  # noqa: E731
+                                                src=bad_rank, group=g)  # fmt: skip
+    elif fn == "all_gather_object":
+        call = lambda: dist.all_gather_object([None] * world_size, mine, group=g)  # noqa: E731
+    else:
+        call = lambda: dist.gather_object(mine, [None] * world_size if rank == 0 else None, dst=0,  # noqa: E731
+                                          group=g)  # fmt: skip
+    c.raises(TypeError, "^" + re.escape(expected) + "$", call)
+    c.true("not at once", time.monotonic() - start < 10)
+    out = [None] * world_size
+    dist.all_gather_object(out, big, group=g)
+    c.true("a collective afterwards", all(np.array_equal(o["array"], big["array"]) and o["rank"] == r
+                                          for r, o in enumerate(out)))  # fmt: skip
+    c.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_recv_object_list_length_mismatch_with_large_arrays_leaves_nothing_pending(rank, world_size):
+    if rank == 0:
+        dist.send_object_list([np.arange(OOB, dtype=np.uint8), 2, 3], dst=1)
+        dist.send_object_list([np.full(OOB, 7, np.uint8)], dst=1)
+    elif rank == 1:
+        error = None
+        try:
+            dist.recv_object_list([None], src=0)
+        except ValueError as exc:
+            error = exc
+        inp = [None]
+        assert dist.recv_object_list(inp, src=0) == 0
+        assert error is not None and "1 slots but 3 objects arrived" in str(error)
+        assert np.array_equal(inp[0], np.full(OOB, 7, np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch CPU tensors inside objects
+# ---------------------------------------------------------------------------------------------
+
+
+def tensors_of(torch, r: int) -> dict:
+    big = OOB // 4 + 16 * r  # float32 elements: out of band
+    base = torch.arange(big, dtype=torch.float32) + r
+    param = torch.nn.Parameter(torch.full((OOB // 8,), float(r), dtype=torch.float64))
+    return {
+        "f32": base,
+        "view": base[10:20],  # shares base's storage
+        "transposed": (torch.arange(OOB // 4, dtype=torch.int32) - r).reshape(64, -1).t(),  # not contiguous
+        "bf16": torch.full((OOB,), r + 0.5, dtype=torch.bfloat16),
+        "u16": (torch.arange(OOB, dtype=torch.int32) % 1000 + r).to(torch.uint16),  # torch's own pickle fails on it
+        "small": torch.tensor([r, r + 1], dtype=torch.int64),
+        "empty": torch.zeros((0, 3), dtype=torch.float16),
+        "param": param,
+        "grad": torch.ones(5, requires_grad=True),
+        "array": np.arange(OOB, dtype=np.int8),
+    }
+
+
+def check_tensors(c: Checks, torch, what: str, got, r: int, received: list) -> None:
+    e = tensors_of(torch, r)
+    if not isinstance(got, dict) or got.keys() != e.keys():
+        c.true(f"{what}: got {got!r:.200}", False)
+        return
+    for k, ev in e.items():
+        g = got[k]
+        if k == "array":
+            c.equal(f"{what}/{k}", g, ev)
+            continue
+        c.true(f"{what}/{k}: {type(g).__name__} {g.dtype}{tuple(g.shape)} stride {g.stride()} vs "
+               f"{type(ev).__name__} {ev.dtype}{tuple(ev.shape)} stride {ev.stride()}",
+               type(g) is type(ev) and g.dtype == ev.dtype and g.shape == ev.shape and g.stride() == ev.stride()
+               and g.requires_grad == ev.requires_grad)  # fmt: skip
+        c.true(f"{what}/{k}: values differ", bool(torch.equal(g.detach(), ev.detach())))
+    storages = {g.data_ptr() for _, g in received if isinstance(g, torch.Tensor)}
+    for k in ("f32", "transposed", "bf16", "u16", "param"):  # storages of OOB bytes or more
+        c.true(f"{what}/{k}: not received in place (storage at {got[k].untyped_storage().data_ptr():#x})",
+               got[k].untyped_storage().data_ptr() in storages)  # fmt: skip
+    for k in ("small", "empty", "grad"):
+        c.true(f"{what}/{k}: small tensor received out of band", got[k].untyped_storage().data_ptr() not in storages)
+    c.true(f"{what}: view no longer shares f32's storage",
+           got["view"].untyped_storage().data_ptr() == got["f32"].untyped_storage().data_ptr())  # fmt: skip
+    got["f32"][10] = -7.0
+    c.true(f"{what}: writing f32 does not show in view", float(got["view"][0]) == -7.0)
+    try:
+        got["f32"].resize_(got["f32"].numel() * 2)  # a storage of torch's own allocator: resizable
+    except RuntimeError as exc:
+        c.true(f"{what}: f32 cannot be resized: {exc}", False)
+
+
+def test_torch_cpu_tensors_in_objects(rank, world_size, monkeypatch):
+    torch = pytest.importorskip("torch")
+    received = received_arrays(monkeypatch)
+    c = Checks()
+    out = [None] * world_size
+    dist.all_gather_object(out, tensors_of(torch, rank))
+    for r in range(world_size):
+        check_tensors(c, torch, f"all_gather slot {r}", out[r], r, received)
+    src = world_size - 1
+    objs = [tensors_of(torch, src)] if rank == src else [None]
+    dist.broadcast_object_list(objs, src=src)
+    if rank != src:
+        check_tensors(c, torch, "broadcast", objs[0], src, received)
+    c.done()
+
+
+def test_pickle_sends_torch_storages_from_their_memory():
+    torch = pytest.importorskip("torch")
+    big = torch.arange(OOB // 4, dtype=torch.float32)
+    p = _pickling.pickled({"big": big, "view": big[3:9], "small": torch.ones(3)})
+    assert p.table.tolist() == [[big.nbytes, 1]]  # one storage, sent once, received as a tensor's memory
+    assert p.frames[0].ctypes.data == big.data_ptr()
+    big.resize_(OOB)  # the sender's tensor was not made non-resizable
