@@ -40,12 +40,23 @@ usable.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import numpy as np
 
-from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, pickled, receive_buffers, unpickle
+from ._object_wire import (
+    announced,
+    empty,
+    exchange_heads,
+    failure_error,
+    frame,
+    gather_all,
+    raise_if_failed,
+    slices,
+    try_pickle,
+    wait_all,
+)
+from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, receive_buffers, unpickle
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
 
@@ -61,48 +72,6 @@ __all__ = [
 
 _OBJECT_TAG = 1  # on the group's private control communicator: no user message can match it
 _I64 = np.dtype(np.int64)
-
-
-def _empty() -> np.ndarray:
-    """Nothing to move: a rank's part of a frame collective beyond its own frames (a new array each time)."""
-    return np.empty(0, np.uint8)
-
-
-def _wait(works: list[Any]) -> None:
-    for w in works:
-        w.wait()
-
-
-#: pickling errors every rank raises as the same type; any other is raised as pickle.PicklingError
-_PICKLING_ERRORS = {
-    e.__name__: e
-    for e in (pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError, NotImplementedError)
-}
-
-
-def _try_pickle(obj: Any) -> tuple[Pickled, Exception | None]:
-    """``(pickled(obj), None)``, or (the error's text as the stream, the error) if ``obj`` cannot be pickled."""
-    try:
-        return pickled(obj), None
-    except Exception as exc:  # noqa: BLE001 - the text goes to every rank, which all raise (_pickling_error)
-        text = np.frombuffer(f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"), np.uint8)
-        return Pickled(text, [], np.empty((0, 2), _I64)), exc
-
-
-def _announced(p: Pickled, exc: Exception | None) -> int:
-    """The size a rank announces: its stream's, or ``-1 - len(error text)`` if pickling failed."""
-    return p.stream.size if exc is None else -1 - p.stream.size
-
-
-def _pickling_error(fn: str, what: str, impl: Any, ranks: list[int], text: np.ndarray) -> Exception:
-    """The error every rank raises when the objects of group ranks ``ranks`` could not be pickled."""
-    kind, _, detail = bytes(text).decode("utf-8", "replace").partition(": ")
-    names = [str(r if impl.global_ranks is None else impl.global_ranks[r]) for r in ranks]  # global ranks
-    who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names)}"
-    error = f"{kind}: {detail}" if len(names) == 1 else f"rank {names[0]}: {kind}: {detail}"
-    return _PICKLING_ERRORS.get(kind, pickle.PicklingError)(
-        f"{fn}: {what} of {who} could not be pickled ({error}); no object was sent and the group is still usable"
-    )
 
 
 def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
@@ -149,8 +118,8 @@ def broadcast_object_list(
     at_root = impl.rank == root
     exc = None
     if at_root:
-        mine, exc = _try_pickle(list(object_list))
-        head = np.array([_announced(mine, exc), len(mine.frames), len(object_list)], _I64)
+        mine, exc = try_pickle(list(object_list))
+        head = np.array([announced(mine, exc), len(mine.frames), len(object_list)], _I64)
     else:
         head = np.empty(3, _I64)
     impl.broadcast(head, None, root, False)
@@ -165,9 +134,9 @@ def broadcast_object_list(
         impl.broadcast(table, None, root, False)
         into, buffers = (mine.frames, ()) if at_root else receive_buffers(table)
         works += [impl.broadcast(frame, None, root, True) for frame in into]
-        _wait(works)
+        wait_all(works)
     if size < 0:
-        raise _pickling_error(fn, "object_list", impl, [root], stream) from exc
+        raise failure_error(fn, "object_list", impl, [root], stream) from exc
     if not at_root:
         if count != len(object_list):
             raise ValueError(
@@ -176,58 +145,6 @@ def broadcast_object_list(
             )
         object_list[:] = unpickle(stream, buffers)
     return None
-
-
-def _exchange_heads(impl: Any, mine: Pickled, exc: Exception | None) -> np.ndarray:
-    """Every rank's ``[stream bytes (negative: a pickling error), frames]``, one row per rank."""
-    heads = np.empty((impl.size, 2), _I64)
-    impl.all_gather_into_tensor(heads, None, np.array([_announced(mine, exc), len(mine.frames)], _I64), False)
-    return heads
-
-
-def _slices(sizes: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One buffer for all payloads and consecutive views of it, one per rank."""
-    big = np.empty(int(sizes.sum()), np.uint8)
-    views, offset = [], 0
-    for s in sizes.tolist():
-        views.append(big[offset : offset + s])
-        offset += s
-    return big, views
-
-
-def _raise_if_failed(impl: Any, sizes: np.ndarray, mine: np.ndarray, exc: Exception | None, fn: str) -> None:
-    """If a rank announced a pickling error (a negative size), gather the error texts and raise on every rank."""
-    failed = [r for r, s in enumerate(sizes.tolist()) if s < 0]
-    if not failed:
-        return
-    _, texts = _slices(np.where(sizes < 0, -1 - sizes, 0))
-    impl.all_gather(texts, None, mine if exc is not None else mine[:0], False)
-    raise _pickling_error(fn, "obj", impl, failed, texts[failed[0]]) from exc
-
-
-def _frame(p: Pickled, j: int) -> np.ndarray:
-    return p.frames[j] if j < len(p.frames) else _empty()
-
-
-def gather_all(impl: Any, obj: Any, fn: str = "all_gather_object") -> list[Any]:
-    """Every rank's ``obj``, gathered over backend ``impl`` (collective; used by debug checks too)."""
-    mine, exc = _try_pickle(obj)
-    heads = _exchange_heads(impl, mine, exc)
-    _raise_if_failed(impl, heads[:, 0], mine.stream, exc, fn)
-    _, streams = _slices(heads[:, 0])
-    counts = heads[:, 1].tolist()
-    if not any(counts):
-        impl.all_gather(streams, None, mine.stream, False)
-        return [unpickle(s) for s in streams]
-    works = [impl.all_gather(streams, None, mine.stream, True)]
-    tables = [np.empty((k, 2), _I64) for k in counts]
-    impl.all_gather(tables, None, mine.table, False)
-    received = [receive_buffers(t) for t in tables]
-    for j in range(max(counts)):
-        outs = [into[j] if j < len(into) else _empty() for into, _ in received]
-        works.append(impl.all_gather(outs, None, _frame(mine, j), True))
-    _wait(works)
-    return [unpickle(s, give) for s, (_, give) in zip(streams, received)]
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
@@ -274,16 +191,20 @@ def gather_object(
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
     impl = pg.control
     at_root = impl.rank == root
-    if at_root:
-        slots = _check_list(object_gather_list, fn, "object_gather_list")
-        if len(slots) != impl.size:
-            raise ValueError(f"{fn}: object_gather_list has {len(slots)} slots but the group has {impl.size} ranks")
-    elif object_gather_list:
-        raise ValueError(f"{fn}: object_gather_list must be None on non-destination ranks")
-    mine, exc = _try_pickle(obj)
-    heads = _exchange_heads(impl, mine, exc)  # every rank learns of a pickling error, and every rank's frames
-    _raise_if_failed(impl, heads[:, 0], mine.stream, exc, fn)
-    streams = _slices(heads[:, 0])[1] if at_root else None
+    refused = None  # a check only this rank makes: announced in the head, so every rank raises it
+    try:
+        if at_root:
+            slots = _check_list(object_gather_list, fn, "object_gather_list")
+            if len(slots) != impl.size:
+                raise ValueError(f"{fn}: object_gather_list has {len(slots)} slots but the group has {impl.size} ranks")
+        elif object_gather_list:
+            raise ValueError(f"{fn}: object_gather_list must be None on non-destination ranks")
+    except (TypeError, ValueError) as exc:
+        refused = exc
+    mine, exc = try_pickle(obj, refused)
+    heads = exchange_heads(impl, mine, exc)  # every rank learns of a pickling error, and every rank's frames
+    raise_if_failed(impl, heads[:, 0], mine.stream, exc, fn)
+    streams = slices(heads[:, 0])[1] if at_root else None
     counts = heads[:, 1].tolist()
     received: list[tuple[list[np.ndarray], Any]] = [([], ())] * impl.size
     if not any(counts):
@@ -295,9 +216,9 @@ def gather_object(
         if tables is not None:
             received = [receive_buffers(t) for t in tables]
         for j in range(max(counts)):
-            outs = [into[j] if j < len(into) else _empty() for into, _ in received] if at_root else None
-            works.append(impl.gather(_frame(mine, j), outs, None, root, True))
-        _wait(works)
+            outs = [into[j] if j < len(into) else empty() for into, _ in received] if at_root else None
+            works.append(impl.gather(frame(mine, j), outs, None, root, True))
+        wait_all(works)
     if streams is not None:
         for i, (s, (_, give)) in enumerate(zip(streams, received)):
             slots[i] = unpickle(s, give)
@@ -322,27 +243,34 @@ def scatter_object_list(
         return None
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     impl = pg.control
-    _check_list(scatter_object_output_list, fn, "scatter_object_output_list")
-    if not scatter_object_output_list:
-        raise ValueError(f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives)")
+    bad_output = None  # this rank only receives into it: the call goes on (nothing is left in flight), then raises
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        bad_output = (TypeError if not isinstance(scatter_object_output_list, list) else ValueError)(
+            f"{fn}: scatter_object_output_list must be a non-empty list (its first slot receives), got "
+            f"{scatter_object_output_list!r:.60}"
+        )
     head = np.empty(3, _I64)  # [stream bytes, frames, the most frames of any rank]
-    exc = None
+    exc = refused = None
     sent: list[Pickled] | None = None
     if impl.rank == root:
-        objs = _check_list(scatter_object_input_list, fn, "scatter_object_input_list")
-        if len(objs) != impl.size:
-            raise ValueError(
+        objs: Any = scatter_object_input_list
+        if not isinstance(objs, list):
+            refused = TypeError(
+                f"{fn}: scatter_object_input_list must be a list on the source rank, got {type(objs).__name__}"
+            )
+        elif len(objs) != impl.size:
+            refused = ValueError(
                 f"{fn}: scatter_object_input_list has {len(objs)} objects but the group has {impl.size} ranks"
             )
         sent = []
-        for o in objs:
-            p, exc = _try_pickle(o)
+        for o in [None] if refused is not None else objs:
+            p, exc = try_pickle(o, refused)
             if exc is not None:  # every rank gets the error's text instead of an object
                 sent = [p] * impl.size
                 break
             sent.append(p)
         most = max((len(p.frames) for p in sent), default=0)
-        heads = np.array([[_announced(p, exc), len(p.frames), most] for p in sent], _I64)
+        heads = np.array([[announced(p, exc), len(p.frames), most] for p in sent], _I64)
         impl.scatter(head, None, list(heads), root, False)
     else:
         impl.scatter(head, None, None, root, False)
@@ -358,12 +286,17 @@ def scatter_object_list(
         impl.scatter(table, None, None if sent is None else [p.table for p in sent], root, False)
         into, buffers = receive_buffers(table)
         for j in range(most):
-            ins = None if sent is None else [_frame(p, j) for p in sent]
-            works.append(impl.scatter(into[j] if j < k else _empty(), None, ins, root, True))
-        _wait(works)
+            ins = None if sent is None else [frame(p, j) for p in sent]
+            works.append(impl.scatter(into[j] if j < k else empty(), None, ins, root, True))
+        wait_all(works)
     if size < 0:
-        raise _pickling_error(fn, "an object of scatter_object_input_list", impl, [root], stream) from exc
-    scatter_object_output_list[0] = unpickle(stream, buffers)
+        if exc is not None and refused is not None:
+            raise exc  # the source's own failed check, as it was raised
+        raise failure_error(fn, "an object of scatter_object_input_list", impl, [root], stream) from exc
+    received = unpickle(stream, buffers)
+    if bad_output is not None:
+        raise bad_output
+    scatter_object_output_list[0] = received
     return None
 
 
@@ -383,16 +316,16 @@ def send_object_list(
     peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     _not_self(pg, peer, fn, "destination")
     _check_list(object_list, fn, "object_list")
-    mine, exc = _try_pickle(list(object_list))
+    mine, exc = try_pickle(list(object_list))
     if exc is not None:
-        raise _pickling_error(fn, "object_list", pg.control, [pg.rank()], mine.stream) from exc
+        raise failure_error(fn, "object_list", pg.control, [pg.rank()], mine.stream) from exc
     impl, tag = pg.control, _OBJECT_TAG
     head = np.array([mine.stream.size, len(mine.frames), len(object_list)], _I64)
     works = [impl.send(head, peer, tag), impl.send(mine.stream, peer, tag)]
     if mine.frames:
         works.append(impl.send(mine.table, peer, tag))
         works += [impl.send(frame, peer, tag) for frame in mine.frames]
-    _wait(works)
+    wait_all(works)
     return None
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import mpidist as dist
-from mpidist import _pickling, objects
+from mpidist import _object_wire, _pickling, objects
 from mpidist.objects import OUT_OF_BAND_MIN_BYTES as OOB
 
-from helpers import ALL_DTYPES, BF16, Checks, rank_input
+from helpers import ALL_DTYPES, BF16, Checks, check_raises, fail_together, rank_input
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,10 +229,62 @@ def test_gather_object_every_dst(rank, world_size):
 
 @pytest.mark.mpi(min_size=2)
 def test_gather_object_list_on_non_dst_raises(rank, world_size):
-    # only the non-destination ranks call: they must fail before communicating
-    if rank != 0:
-        with pytest.raises(ValueError):
-            dist.gather_object(rank, [None] * world_size, dst=0)
+    """A list on a non-destination rank is that rank's failed check: announced, so every rank raises it at once."""
+    problems = check_raises(
+        ValueError, "object_gather_list must be None on non-destination ranks",
+        dist.gather_object, rank, [None] * world_size, dst=0,
+    )  # fmt: skip
+    if rank == 0 and world_size > 1:
+        problems += check_raises(ValueError, r"raised on ranks? 1", dist.gather_object, rank, [None] * world_size, 0)
+    elif rank != 0:
+        problems += check_raises(ValueError, "must be None", dist.gather_object, rank, [None] * world_size, 0)
+    out: list = [None] * world_size
+    dist.all_gather_object(out, ("after", rank))  # the control group is in step
+    if out != [("after", r) for r in range(world_size)]:
+        problems.append(f"all_gather_object after the failed gather gave {out}")
+    fail_together(problems)
+
+
+def test_gather_object_wrong_list_on_dst_raises_everywhere(rank, world_size):
+    """The destination's list has the wrong length: every rank raises, nothing stale reaches the next call."""
+    slots = [None] * (world_size + 1) if rank == 0 else None
+    problems = check_raises(ValueError, f"has {world_size + 1} slots", dist.gather_object,
+                            {"secret": "from-failed-gather"}, slots, dst=0)  # fmt: skip
+    out: list = [None] * world_size
+    dist.all_gather_object(out, rank)
+    if out != list(range(world_size)):
+        problems.append(f"all_gather_object after the failed gather_object gave {out}")
+    fail_together(problems)
+
+
+def test_scatter_object_list_wrong_input_on_src_raises_everywhere(rank, world_size):
+    objs = list(range(world_size + 2)) if rank == 0 else None
+    out: list = [None]
+    problems = check_raises(ValueError, f"has {world_size + 2} objects", dist.scatter_object_list, out, objs, src=0)
+    if out != [None]:
+        problems.append(f"the output was written: {out}")
+    got: list = [None]
+    dist.scatter_object_list(got, [r * 10 for r in range(world_size)] if rank == 0 else None, src=0)
+    if got != [rank * 10]:
+        problems.append(f"scatter_object_list after the failed one gave {got}")
+    fail_together(problems)
+
+
+def test_scatter_object_list_bad_output_on_one_rank_takes_its_part_then_raises(rank, world_size):
+    """A rank whose output list is unusable still receives its part (nothing is left in flight), then raises."""
+    bad = rank == world_size - 1
+    out: list = [] if bad else [None]
+    objs = [f"obj{r}" for r in range(world_size)] if rank == 0 else None
+    if bad:
+        problems = check_raises(ValueError, "must be a non-empty list", dist.scatter_object_list, out, objs, src=0)
+    else:
+        dist.scatter_object_list(out, objs, src=0)
+        problems = [] if out == [f"obj{rank}"] else [f"got {out}"]
+    got: list = [None]
+    dist.scatter_object_list(got, [r + 100 for r in range(world_size)] if rank == 0 else None, src=0)
+    if got != [rank + 100]:
+        problems.append(f"scatter_object_list after the failed one gave {got}")
+    fail_together(problems)
 
 
 def test_gather_object_bad_list_on_dst_raises(rank):
@@ -819,6 +871,7 @@ def received_arrays(monkeypatch) -> list:
         return into, give
 
     monkeypatch.setattr(objects, "receive_buffers", recording)
+    monkeypatch.setattr(_object_wire, "receive_buffers", recording)  # gather_all's (all_gather_object)
     return seen
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._object_wire import gather_all
 from .._world import world
 from ..backends.base import BaseBackend, WrapperBackend
 from ..errors import DistError
@@ -261,8 +262,6 @@ class DebugBackend(WrapperBackend):
         return result
 
     def _check(self, call: Call) -> None:
-        from ..objects import gather_all
-
         calls = gather_all(self.pg.control, call)
         failed = [(i, c.error) for i, c in enumerate(calls) if c.error is not None]
         if failed:
