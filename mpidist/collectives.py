@@ -236,16 +236,16 @@ def all_gather_into_tensor(
 all_gather_single = all_gather_into_tensor
 
 
-def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, tensor: Any = None) -> Exception:
+def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, *tensor: Any) -> Exception:
     """``exc``: a check this rank makes in its role (root, receiver) failed; return it to raise.
 
     The other ranks may have passed theirs and sent their part, so the group is
-    told (:meth:`ProcessGroup.failed_alone`) unless ``tensor`` fails as a plain
-    input too: a bad array, which every rank of an SPMD program passes alike.
+    told (:meth:`ProcessGroup.failed_alone`) unless the ``tensor`` given fails as a
+    plain input too: a bad array, which every rank of an SPMD program passes alike.
     """
-    if tensor is not None:
+    if tensor:
         try:
-            prepare_input(tensor, fn, "tensor")
+            prepare_input(tensor[0], fn, "tensor")
         except (TypeError, ValueError):
             return exc
     return pg.failed_alone(fn, exc)

@@ -134,6 +134,8 @@ class ProcessGroup:
         nothing is sent and the group stays usable. Otherwise this group refuses every
         later call on this rank with a DistError that names the failed call.
         """
+        if self._size == 1:
+            return exc  # no other rank: nothing can be in flight
         backend = (self._host or self._device or self._packing)[world.debug_level]
         if world.debug_level >= DebugLevel.DETAIL and isinstance(backend, DebugBackend):
             backend.share_failure(fn, exc)

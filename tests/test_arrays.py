@@ -16,6 +16,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist._world import world
 from mpidist.arrays import host as _arrays
+from mpidist.errors import DistError
 
 from helpers import check_raises, fail_together
 
@@ -239,14 +240,19 @@ def test_read_only_outputs_of_list_and_tensor_collectives():
 
 @pytest.mark.mpi(min_size=2)
 def test_read_only_broadcast_target_on_non_source_ranks():
-    if RANK != 0:  # only the receivers fail; the source does not call, so nothing is sent
+    """Only the receivers fail (the source does not call here): each refuses the group afterwards,
+    since in a program where the source did call, its data would wait there (tests/test_role_errors.py)."""
+    g = dist.new_group()
+    if RANK != 0:
         problems = check_raises(
-            ValueError, r"^broadcast: tensor is read-only", dist.broadcast, readonly(np.zeros(3)), src=0
+            ValueError, r"^broadcast: tensor is read-only", dist.broadcast, readonly(np.zeros(3)), src=0, group=g
         )
+        problems += check_raises(DistError, r"unusable on this rank: broadcast", dist.all_reduce, f64(), group=g)
     else:
         problems = []
     problems += group_works()
     fail_together(problems)
+    dist.destroy_process_group(g)
 
 
 def test_read_only_inputs_are_fine(rank, world_size):
