@@ -291,12 +291,20 @@ def test_read_only_inputs_are_fine(rank, world_size):
 
 
 def test_read_only_reduce_target_on_the_destination(rank):
-    if rank == 0:  # only the destination is affected; the others do not call
-        problems = check_raises(ValueError, r"^reduce: tensor is read-only", dist.reduce, readonly(np.ones(2)), dst=0)
+    """Only the destination fails (the others do not call here): it refuses the group afterwards,
+    since in a program where the others did call, their data would wait there (tests/test_role_errors.py)."""
+    g = dist.new_group()
+    if rank == 0:
+        problems = check_raises(
+            ValueError, r"^reduce: tensor is read-only", dist.reduce, readonly(np.ones(2)), dst=0, group=g
+        )
+        if SIZE > 1:
+            problems += check_raises(DistError, r"unusable on this rank: reduce", dist.all_reduce, f64(), group=g)
     else:
         problems = []
     problems += group_works()
     fail_together(problems)
+    dist.destroy_process_group(g)
 
 
 def test_read_only_receive_targets():
