@@ -18,6 +18,7 @@ from ._validate import timeout_seconds
 from ._world import world
 from .arrays.host import (
     DTYPES,
+    Buffer,
     as_host_array,
     prepare_inout,
     prepare_input,
@@ -251,6 +252,34 @@ def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, *tensor: Any) -> 
     return pg.failed_alone(fn, exc)
 
 
+def _root_list(
+    pg: ProcessGroup, root: int, xs: Any, fn: str, arg: str, role: str, mine: Buffer, outputs: bool
+) -> tuple[list[Buffer] | None, list[tuple[Buffer, Buffer]] | None]:
+    """Check and prepare gather's or scatter's ``xs`` (``arg``): one array per rank on the root, None elsewhere.
+
+    ``outputs``: gather_list holds outputs, scatter_list inputs; either must match this rank's
+    ``mine`` in dtype and, at the root's own slot, size. Returns ``(buffers, backs)``
+    on the root (``backs``: write-backs of staged outputs), ``(None, None)`` elsewhere.
+    A failure is this rank's alone (see :func:`_failed_in_role`).
+    """
+    try:
+        if pg._rank != root:
+            if xs:
+                raise ValueError(f"{fn}: {arg} must be None (or empty) on non-{role} ranks")
+            return None, None
+        if xs is None or (not xs and not outputs):
+            raise ValueError(f"{fn}: {arg} must be given on the {role} rank")
+        if outputs:
+            bufs, backs = prepare_output_list(xs, fn, arg, pg._size)
+        else:
+            bufs, backs = prepare_input_list(xs, fn, arg, pg._size), None
+        _same_dtype(fn, mine, "tensor", bufs, arg)
+        _check_own_size(fn, bufs[root], arg, root, mine, "tensor")
+        return bufs, backs
+    except (TypeError, ValueError) as exc:
+        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
+
+
 def gather(
     tensor: Any,
     gather_list: list[Any] | None = None,
@@ -269,21 +298,8 @@ def gather(
         return absent(group, fn)
     root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
     inp = prepare_input(tensor, fn, "tensor")
-    try:
-        if pg._rank == root:
-            if gather_list is None:
-                raise ValueError(f"{fn}: gather_list must be given on the destination rank")
-            outs, backs = prepare_output_list(gather_list, fn, "gather_list", pg._size)
-            _same_dtype(fn, inp, "tensor", outs, "gather_list")
-            _check_own_size(fn, outs[root], "gather_list", root, inp, "tensor")
-        elif gather_list:
-            raise ValueError(f"{fn}: gather_list must be None (or empty) on non-destination ranks")
-    except (TypeError, ValueError) as exc:
-        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
-    if pg._rank == root:
-        w = pg.gather(inp, outs, backs or None, root, async_op)
-    else:
-        w = pg.gather(inp, None, None, root, async_op)
+    outs, backs = _root_list(pg, root, gather_list, fn, "gather_list", "destination", inp, True)
+    w = pg.gather(inp, outs, backs or None, root, async_op)
     if w is not None:
         w._outputs = [gather_list] if pg._rank == root else []
     return w
@@ -308,18 +324,7 @@ def scatter(
     root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
     out, target = prepare_output(tensor, fn, "tensor")
     backs = None if target is None else [(out, target)]
-    ins = None
-    try:
-        if pg._rank == root:
-            if not scatter_list:
-                raise ValueError(f"{fn}: scatter_list must be given on the source rank")
-            ins = prepare_input_list(scatter_list, fn, "scatter_list", pg._size)
-            _same_dtype(fn, out, "tensor", ins, "scatter_list")
-            _check_own_size(fn, ins[root], "scatter_list", root, out, "tensor")
-        elif scatter_list:
-            raise ValueError(f"{fn}: scatter_list must be None (or empty) on non-source ranks")
-    except (TypeError, ValueError) as exc:
-        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
+    ins, _ = _root_list(pg, root, scatter_list, fn, "scatter_list", "source", out, False)
     w = pg.scatter(out, backs, ins, root, async_op)
     if w is not None:
         w._outputs = [tensor]
