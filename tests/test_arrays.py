@@ -372,24 +372,30 @@ def test_byte_order_mismatch_is_reported_as_byte_order():
 
 
 def test_dtype_mismatch_in_rooted_collectives():
-    scatter_list = [np.zeros(1, np.int32) for _ in range(SIZE)] if RANK == 0 else None
+    """Only the root calls (its list is checked there): it raises, then refuses the group it failed on."""
+    g = dist.new_group()
+    problems: list[str] = []
     if RANK == 0:
-        problems = check_raises(
-            TypeError,
-            r"^scatter: scatter_list\[0\] is int32 but tensor is float64",
-            dist.scatter,
-            np.zeros(1),
-            scatter_list,
-            src=0,
-        )
+        problems += check_raises(
+            TypeError, r"^scatter: scatter_list\[0\] is int32 but tensor is float64",
+            dist.scatter, np.zeros(1), [np.zeros(1, np.int32) for _ in range(SIZE)], src=0, group=g,
+        )  # fmt: skip
         problems += check_raises(
             TypeError, r"^gather: gather_list\[0\] is int32 but tensor is float64",
-            dist.gather, np.zeros(1), [np.zeros(1, np.int32) for _ in range(SIZE)], dst=0,
+            dist.gather, np.zeros(1), [np.zeros(1, np.int32) for _ in range(SIZE)], dst=0, group=g,
         )  # fmt: skip
-    else:
-        problems = []
+        problems += refused_after_role_failure(g)
     problems += group_works()
     fail_together(problems)
+    dist.destroy_process_group(g)
+
+
+def refused_after_role_failure(g) -> list[str]:
+    """With peers, a group on which only this rank's role check failed refuses further calls."""
+    if SIZE == 1:
+        return []
+    return check_raises(DistError, r"unusable on this rank: \w+ \(call #\d+\) failed on this rank only",
+                        dist.all_reduce, f64(), group=g)  # fmt: skip
 
 
 def test_wrong_list_length():
@@ -411,19 +417,22 @@ def test_wrong_list_length():
 
 
 def test_wrong_list_length_on_the_root():
-    if RANK == 0:  # the root checks the list; the others do not call
-        problems = check_raises(
+    """Only the root calls (its list is checked there): it raises, then refuses the group it failed on."""
+    g = dist.new_group()
+    problems: list[str] = []
+    if RANK == 0:
+        problems += check_raises(
             ValueError, rf"^gather: gather_list has {SIZE + 1} arrays but the group has {SIZE} ranks",
-            dist.gather, np.zeros(1), [np.zeros(1) for _ in range(SIZE + 1)], dst=0,
+            dist.gather, np.zeros(1), [np.zeros(1) for _ in range(SIZE + 1)], dst=0, group=g,
         )  # fmt: skip
         problems += check_raises(
             ValueError, rf"^scatter: scatter_list has {SIZE + 1} arrays but the group has {SIZE} ranks",
-            dist.scatter, np.zeros(1), [np.zeros(1) for _ in range(SIZE + 1)], src=0,
+            dist.scatter, np.zeros(1), [np.zeros(1) for _ in range(SIZE + 1)], src=0, group=g,
         )  # fmt: skip
-    else:
-        problems = []
+        problems += refused_after_role_failure(g)
     problems += group_works()
     fail_together(problems)
+    dist.destroy_process_group(g)
 
 
 def test_own_slot_size_mismatch():
