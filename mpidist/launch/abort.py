@@ -63,12 +63,10 @@ def abort_process_group(group: Any = None, errorcode: int = ABORT_CODE, message:
     """
     if message:
         _say(message)
-    sys.stdout.flush()
     from mpi4py import MPI
 
     pg = world.default_pg if group is None else group
-    comm = getattr(pg, "mpi_comm", None) or MPI.COMM_WORLD
-    comm.Abort(errorcode)
+    _abort(getattr(pg, "mpi_comm", None) or MPI.COMM_WORLD, errorcode)
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -90,7 +88,7 @@ def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackTyp
     _say(f"mpidist: unhandled {kind.__name__}; aborting the job so that the other ranks do not hang")
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Abort(ABORT_CODE)
+    _abort(MPI.COMM_WORLD, ABORT_CODE)
 
 
 def _mpi_running() -> bool:
@@ -136,26 +134,27 @@ def exit_check() -> None:
         f"{'; '.join(pending)}. Finalizing MPI would wait for the ranks that never joined them; aborting "
         f"the job instead (MPI_Abort, exit code {ABORT_CODE})."
     )
-    _let_output_out()
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Abort(ABORT_CODE)
+    _abort(MPI.COMM_WORLD, ABORT_CODE)
 
 
 #: how long a process that is about to abort the job gives its launcher to forward its last lines
 _OUTPUT_GRACE_S = 0.3
 
 
-def _let_output_out() -> None:
-    """Flush stdout and stderr and wait a moment: MPI_Abort ends the job at once, and the launcher
-    (hydra, prterun) drops what it has not yet read from the processes' pipes (the script's last
-    lines and this message went missing now and then under load)."""
+def _abort(comm: Any, errorcode: int) -> None:
+    """``MPI_Abort`` on ``comm``, after flushing stdout and stderr and waiting a moment: the abort ends
+    the job at once, and the launcher (hydra, prterun) drops what it has not yet read from the
+    processes' pipes (the script's last lines and mpidist's message went missing now and then
+    under load). Every way mpidist ends the job comes here."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed or replaced streams
             pass
     time.sleep(_OUTPUT_GRACE_S)
+    comm.Abort(errorcode)
 
 
 def _pending(backend: Any) -> bool:
