@@ -28,7 +28,18 @@ from mpi4py import MPI
 from .._world import world
 from ..arrays import host as _arrays
 from ..arrays.host import displacements
-from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
+from ..reduce_op import (
+    OP_TABLE,
+    Post,
+    Prim,
+    RedOpType,
+    divide_average,
+    factor_value,
+    from_order_keys,
+    invalid_op_error,
+    resolve,
+    to_order_keys,
+)  # fmt: skip
 from ..work import Work, poll
 from .base import BaseBackend
 
@@ -55,6 +66,9 @@ _MPI_TYPE_NAMES = {
     "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX",
 }  # fmt: skip
 _RAW_BY_SIZE = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}
+#: the integer types float MIN/MAX reduce their order keys in (reduce_op.to_order_keys), by itemsize
+_KEYS_BY_SIZE = {2: (MPI.INT16_T, np.dtype(np.int16)), 4: (MPI.INT32_T, np.dtype(np.int32)),
+                 8: (MPI.INT64_T, np.dtype(np.int64))}  # fmt: skip
 _WIDE = np.dtype(np.float32)
 
 #: Below this input size reduce_scatter uses Ireduce_scatter_block, above it Ireduce_scatter:
@@ -320,6 +334,8 @@ class MPIBackend(BaseBackend):
         if entry is None:
             raise invalid_op_error(fn, base, info.kind, info.name)
         prim, post = entry
+        if post is Post.KEYS:
+            return self._keyed(fn, e, prim, send, recv, in_place, start, backs, async_op, keep)
         wide = e.wide
         if wide is not None:
             s = send.astype(wide)
@@ -358,6 +374,48 @@ class MPIBackend(BaseBackend):
                 _write_backs(backs)
 
         return self._done(fn, req, finish, (send, recv, s, r, keep), async_op)
+
+    def _keyed(
+        self,
+        fn: str,
+        e: TypeEntry,
+        prim: Prim,
+        send: ndarray,
+        recv: ndarray | None,
+        in_place: bool,
+        start: Callable[[Any, Any, MPI.Op], MPI.Request],
+        backs: Any,
+        async_op: bool,
+        keep: Any,
+    ) -> Work | None:
+        """MIN/MAX on floats: reduce integer order keys, so every rank gets the same bits (see reduce_op).
+
+        An in-place buffer is converted where it is; a separate input (reduce on a non-root
+        rank, reduce_scatter) is converted into a copy and the result comes back as keys
+        in the output's memory, converted back once the operation completes.
+        """
+        dtype = e.info.dtype
+        mpi_type, key_dtype = _KEYS_BY_SIZE[dtype.itemsize]
+        if in_place:
+            s = r = to_order_keys(send, None, prim, np)
+        else:
+            s = to_order_keys(send, np.empty(send.size, key_dtype), prim, np)
+            world.stats.count_copy(s.nbytes)
+            r = None if recv is None else recv.reshape(-1).view(key_dtype)
+        try:
+            req = start(IN_PLACE if in_place else [s, mpi_type], None if r is None else [r, mpi_type], _PRIM_OPS[prim])
+        except MPI.Exception as exc:
+            if in_place:
+                from_order_keys(s, dtype, prim, np)  # the caller's numbers back (NaN payloads become the default NaN)
+            raise self._fail(fn, exc) from exc
+
+        def finish() -> None:
+            if r is not None:
+                from_order_keys(r, dtype, prim, np)
+            if backs:
+                _write_backs(backs)
+
+        return self._done(fn, req, finish, (send, recv, s, keep), async_op)
 
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
