@@ -210,6 +210,30 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
     return True
 
 
+_SELF_TRUNCATION: list[bool] = []
+
+
+def _reports_self_truncation() -> bool:
+    """Whether this MPI library reports a message a rank sends itself that is longer than the receive.
+
+    MPICH raises MPI_ERR_TRUNCATE as for any peer; Open MPI 5 silently truncates a message
+    to self (found out once per process, on MPI_COMM_SELF).
+    """
+    if not _SELF_TRUNCATION:
+        comm = MPI.COMM_SELF
+        got = np.zeros(1, np.uint8)
+        recv = comm.Irecv([got, BYTE], 0, 0)
+        comm.Isend([np.ones(2, np.uint8), BYTE], 0, 0).Wait()
+        status = MPI.Status()
+        try:
+            recv.Wait(status)
+            reported = status.Get_error() == ERR_TRUNCATE
+        except MPI.Exception as exc:
+            reported = exc.Get_error_class() == ERR_TRUNCATE
+        _SELF_TRUNCATION.append(reported)
+    return _SELF_TRUNCATION[0]
+
+
 class MPIBackend(BaseBackend):
     """Backend over one private MPI communicator (see the module docstring)."""
 
@@ -652,11 +676,17 @@ class MPIBackend(BaseBackend):
         """Post the receive into ``buf`` at once (see :class:`_Receive`)."""
         self.p2p_seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
+        target = buf
+        if (peer == self.rank or (peer is None and self.size == 1)) and not _reports_self_truncation():
+            # Open MPI truncates a longer message from this rank to itself without an error:
+            # receive into one element more, so that a longer message shows (copied on completion)
+            target = np.empty(buf.size + 1, buf.dtype)
+            world.stats.count_copy(buf.nbytes)
         try:
-            req = self.comm.Irecv([buf, e.mpi], ANY_SOURCE if peer is None else peer, tag)
+            req = self.comm.Irecv([target, e.mpi], ANY_SOURCE if peer is None else peer, tag)
         except MPI.Exception as exc:
             raise self.backend_error("recv", self.p2p_seq, exc) from exc
-        return _Receive(req, buf, e, backs, self, peer, None)
+        return _Receive(req, buf, e, backs, self, peer, None, None if target is buf else target)
 
     def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Match the message with a probe first, then receive it (see :class:`_Receive`)."""
@@ -690,16 +720,20 @@ class _Receive(Work):
     collective does.
     """
 
-    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived")
+    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer")
 
     def __init__(
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
-        peer: int | None, probe: tuple[MPI.Comm, int] | None,
+        peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
     ) -> None:  # fmt: skip
         post = None if not backs else partial(_write_backs, backs)  # a staged array: write it back
+        keep = buf if longer is None else (buf, longer)
         Work.__init__(
-            self, [] if req is None else [req], post, buf, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
+            self, [] if req is None else [req], post, keep, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
         )
+        # a posted receive from this rank to itself on a library that truncates those silently:
+        # the message lands in this array of one element more, and is copied into buf
+        self._longer = longer
         self._buf = buf
         self._entry = e
         self._peer = peer  # group rank, or None: any
@@ -750,6 +784,13 @@ class _Receive(Work):
         if got is None:  # a posted receive: the status tells (Open MPI reports a longer message there)
             status = self._status
             got = -3 if status.Get_error() == ERR_TRUNCATE else status.Get_count(self._entry.mpi)
+        longer = self._longer
+        if longer is not None and got != MPI.UNDEFINED:
+            size = self._buf.size
+            if got > size:
+                got = -3
+            n = min(got, size) if got >= 0 else size  # what MPI would have written into the array itself
+            self._buf.reshape(-1)[:n] = longer[:n]
         if got != self._buf.size:
             self._fail(self._size_error(got))
             return
