@@ -24,7 +24,7 @@ from mpidist.launch import run
 from mpidist.launch.boot import launched_by_mpi
 from mpidist.launch.environment import launcher_environment, torchrun_environment
 
-from helpers import clean_env, fail_together, free_port
+from helpers import clean_env, fail_together, free_port, mpiexec_command, needs_pmi1
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -153,17 +153,19 @@ def test_program_under_plain_mpiexec(gloo_reference):
     mpiexec = BIN / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("no mpiexec beside this Python")
-    _expect_same(_results([str(mpiexec), "-n", "2", sys.executable, str(PROGRAM)], clean_env()), gloo_reference,
+    _expect_same(_results([*mpiexec_command(2), sys.executable, str(PROGRAM)], clean_env()), gloo_reference,
                  "mpiexec")  # fmt: skip
 
 
 @only_once
+@needs_pmi1
 def test_program_under_torchrun_standalone(gloo_reference):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     _expect_same(_results(torchrun + [str(PROGRAM)], clean_env()), gloo_reference, "torchrun --standalone")
 
 
 @only_once
+@needs_pmi1
 def test_program_under_torch_distributed_run_with_three_processes(gloo_reference):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
            str(PROGRAM)]  # fmt: skip
@@ -192,6 +194,7 @@ if __name__ == "__main__":
 
 
 @only_once
+@needs_pmi1
 def test_torch_multiprocessing_spawn_with_master_address(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "spawn.py"
