@@ -17,6 +17,9 @@ from .diagnose.debug import DebugBackend
 from .errors import RankNotInGroupError
 from .work import Work
 
+#: how long destroy_process_group waits for the other members before leaving the communicators allocated
+_FREE_AGREEMENT_S = 5.0
+
 #: write-backs of staged outputs: ``(buffer, caller's array)`` pairs, or None
 Backs = Optional[list[tuple[Buffer, Buffer]]]
 
@@ -251,10 +254,16 @@ class ProcessGroup:
             return
         self.destroyed = True
         backends = [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
+        pending = any(b.pending() for b in backends) or self.control.pending()
+        # calls made on each backend, which every member must have made alike (see MPIBackend.agree_to_free)
+        state = [int(pending), self.control.seq] + [b.seq for b in backends]
+        agreed = self.control.agree_to_free(state, min(self.control.timeout_s, _FREE_AGREEMENT_S))
+        if not agreed:
+            self.control.keep_comm()  # a member may still send on the communicators: never free them
         for b in backends:
             b.shutdown()
         self.control.shutdown()
-        if self._comm is not None and not (any(b.pending() for b in backends) or self.control.pending()):
+        if agreed and self._comm is not None and not pending:
             self._comm.Free()  # else left allocated, see MPIBackend.shutdown
 
     @property

@@ -81,6 +81,9 @@ _LARGE_COUNTS = MPI.Get_version() >= (4, 0)
 _INT_MAX = 2**31 - 1
 _EMPTY = np.empty(0, np.uint8)
 
+#: the tag of destroy_process_group's agreement on the control communicator (see MPIBackend.agree_to_free)
+_FREE_TAG = 0x3B10
+
 #: marks an op that needs more than one native MPI call (AVG, PREMUL_SUM, widening)
 _GENERAL = object()
 
@@ -284,6 +287,64 @@ class MPIBackend(BaseBackend):
         """
         if self._owns_comm and self.comm != MPI.COMM_NULL and not self.pending():
             self.comm.Free()
+
+    def agree_to_free(self, state: Sequence[int], limit_s: float) -> bool:
+        """Whether every member is done with the group's communicators, so that freeing them is safe.
+
+        ``destroy_process_group`` frees a group's communicators, and MPI reuses their
+        context ids for later communicators. A message still on its way to a freed
+        one (a collective that another member called and this rank skipped, a call
+        that timed out elsewhere) then arrives for the new communicator: Open MPI
+        aborts the job ("PML OB1 received a message from a rank outside the valid
+        range of the communicator"), MPICH may deliver it to a receive of the new
+        one. So before freeing, the members compare ``state`` (this rank's count of
+        calls on each of the group's backends, and 1 if a call is still pending): group
+        rank 0 collects every state with point-to-point messages on this (control)
+        communicator under a tag of their own (no stale collective traffic or library
+        message can match them) and answers each member whether all states are equal
+        and nothing is pending. A member that does not answer within ``limit_s``
+        (it has not called destroy, or is busy elsewhere) means no: the communicators
+        are left allocated (a small leak), never freed under a message in flight.
+        """
+        comm, size = self.comm, self.size
+        if size == 1:
+            return not state[0]
+        mine = np.array(state, np.int64)
+        verdict = np.zeros(1, np.int64)
+        try:
+            if self.rank != 0:
+                sent = comm.Isend(mine, 0, _FREE_TAG)
+                answer = comm.Irecv(verdict, 0, _FREE_TAG)
+                if not poll(answer.Test, limit_s, self.spins):
+                    answer.Cancel()
+                    poll(answer.Test, 1.0, self.spins)  # cancelled at once (or the verdict came after all)
+                    if not answer.Test():  # pragma: no cover - MPI did neither within a second
+                        self._orphans.append(([answer, sent], (mine, verdict)))
+                        return False
+                if not poll(sent.Test, 1.0, self.spins):  # matched by rank 0: completes
+                    self._orphans.append(([sent], mine))  # pragma: no cover
+                return bool(verdict[0])
+            boxes = np.zeros((size - 1, len(state)), np.int64)
+            reqs = [comm.Irecv(boxes[k - 1], k, _FREE_TAG) for k in range(1, size)]
+            everyone = poll(lambda: MPI.Request.Testall(reqs), limit_s, self.spins)
+            answered = [k for k in range(1, size) if reqs[k - 1].Test()]
+            for k in range(1, size):
+                if k not in answered:
+                    reqs[k - 1].Cancel()
+            same = everyone and bool((boxes == mine).all()) and not state[0]
+            verdict[0] = int(same)
+            sends = [comm.Isend(verdict, k, _FREE_TAG) for k in answered]
+            if not poll(lambda: MPI.Request.Testall(sends), 1.0, self.spins):  # pragma: no cover - small: eager
+                self._orphans.append((sends, verdict))
+                return False
+            MPI.Request.Testall([r for k, r in enumerate(reqs, 1) if k not in answered])  # the cancelled receives
+            return same
+        except MPI.Exception:  # pragma: no cover - an MPI error here: keep everything allocated
+            return False
+
+    def keep_comm(self) -> None:
+        """Never free this backend's communicator (``shutdown`` leaves it allocated)."""
+        self._owns_comm = False
 
     def adopt(self, reqs: list[MPI.Request], keep: Any) -> None:
         """Keep the buffers of a Work dropped before completion until MPI is done with them."""
