@@ -28,6 +28,7 @@ from mpi4py import MPI
 from .._world import world
 from ..arrays import host as _arrays
 from ..arrays.host import displacements
+from ..errors import DistBackendError
 from ..reduce_op import (
     OP_TABLE,
     Post,
@@ -78,6 +79,8 @@ _BLOCK_VARIANT_LIMIT = 256 << 10
 
 #: whether mpi4py passes 64-bit counts and displacements to MPI (MPI-4 large-count routines)
 _LARGE_COUNTS = MPI.Get_version() >= (4, 0)
+#: the error classes an MPI-3 library gives for a count beyond its 32-bit limit
+_COUNT_ERRORS = (MPI.ERR_ARG, MPI.ERR_COUNT)
 _INT_MAX = 2**31 - 1
 _EMPTY = np.empty(0, np.uint8)
 
@@ -211,6 +214,18 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
             return False
         addr = start + a.nbytes
     return True
+
+
+def _count_limit_note() -> str:
+    """What an invalid-argument error from an MPI-3 library most likely means (docs/sharp-bits.md)."""
+    version = MPI.Get_library_version().splitlines()
+    library = version[0].split(",")[0].strip() if version else "this MPI library"
+    major, minor = MPI.Get_version()
+    return (
+        f"({library} implements MPI {major}.{minor}, whose calls take counts below 2**31: a message of 2**31 "
+        "elements or more (bytes, for lists of arrays and for objects) needs an MPI-4 library such as MPICH >= 4, "
+        "pip install mpidist[mpich]; see docs/sharp-bits.md)"
+    )
 
 
 _SELF_TRUNCATION: list[bool] = []
@@ -392,6 +407,13 @@ class MPIBackend(BaseBackend):
 
     def _fail(self, op: str, exc: MPI.Exception) -> Exception:
         return self.backend_error(op, self.seq, exc)
+
+    def backend_error(self, op: str, seq: int, exc: BaseException) -> DistBackendError:
+        """Wrap an MPI error; on an MPI-3 library, say what an invalid-argument error most likely means."""
+        error = super().backend_error(op, seq, exc)
+        if not _LARGE_COUNTS and isinstance(exc, MPI.Exception) and exc.Get_error_class() in _COUNT_ERRORS:
+            error = DistBackendError(f"{error} {_count_limit_note()}")
+        return error
 
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
