@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import traceback
 from types import TracebackType
 from typing import Any
@@ -135,9 +136,26 @@ def exit_check() -> None:
         f"{'; '.join(pending)}. Finalizing MPI would wait for the ranks that never joined them; aborting "
         f"the job instead (MPI_Abort, exit code {ABORT_CODE})."
     )
+    _let_output_out()
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(ABORT_CODE)
+
+
+#: how long a process that is about to abort the job gives its launcher to forward its last lines
+_OUTPUT_GRACE_S = 0.3
+
+
+def _let_output_out() -> None:
+    """Flush stdout and stderr and wait a moment: MPI_Abort ends the job at once, and the launcher
+    (hydra, prterun) drops what it has not yet read from the processes' pipes (the script's last
+    lines and this message went missing now and then under load)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced streams
+            pass
+    time.sleep(_OUTPUT_GRACE_S)
 
 
 def _pending(backend: Any) -> bool:
