@@ -327,6 +327,12 @@ class MPIBackend(BaseBackend):
         mine = np.array(state, np.int64)
         verdict = np.zeros(1, np.int64)
         try:
+            if state[0]:  # a call is pending here: the answer is no; tell the others without waiting for them
+                if self.rank != 0:
+                    self._orphans.append(([comm.Isend(mine, 0, _FREE_TAG)], mine))
+                else:
+                    self._orphans.append(([comm.Isend(verdict, k, _FREE_TAG) for k in range(1, size)], verdict))
+                return False
             if self.rank != 0:
                 sent = comm.Isend(mine, 0, _FREE_TAG)
                 answer = comm.Irecv(verdict, 0, _FREE_TAG)
