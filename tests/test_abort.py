@@ -77,6 +77,8 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, launcher:
         text=True,
         timeout=CHILD_TIMEOUT_S,
     )
+    # Open MPI's launcher puts a NUL character into the forwarded output now and then (at the start of a line)
+    proc.stdout, proc.stderr = proc.stdout.replace("\0", ""), proc.stderr.replace("\0", "")
     return proc, time.monotonic() - start
 
 
