@@ -255,8 +255,10 @@ class ProcessGroup:
         self.destroyed = True
         backends = [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
         pending = any(b.pending() for b in backends) or self.control.pending()
-        # calls made on each backend, which every member must have made alike (see MPIBackend.agree_to_free)
-        state = [int(pending), self.control.seq] + [b.seq for b in backends]
+        # calls made on the control and the other backends, alike on every member (MPIBackend.agree_to_free);
+        # summed over the backends so that the state has one length on every rank (device backends are made
+        # on first use: a rank may have one that another has not)
+        state = [int(pending), self.control.seq, sum(b.seq for b in backends)]
         agreed = self.control.agree_to_free(state, min(self.control.timeout_s, _FREE_AGREEMENT_S))
         if not agreed:
             self.control.keep_comm()  # a member may still send on the communicators: never free them
