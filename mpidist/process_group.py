@@ -17,6 +17,9 @@ from .diagnose.debug import DebugBackend, DebugLevel
 from .errors import DistError, RankNotInGroupError
 from .work import Work
 
+#: how long destroy_process_group waits for the other members before leaving the communicators allocated
+_FREE_AGREEMENT_S = 5.0
+
 #: write-backs of staged outputs: ``(buffer, caller's array)`` pairs, or None
 Backs = Optional[list[tuple[Buffer, Buffer]]]
 
@@ -293,12 +296,21 @@ class ProcessGroup:
             return
         self.destroyed = True
         backends = [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
+        # a refused group (failed_alone) counts as pending: the other ranks' part of the failed call may be in flight
+        pending = self.refusal is not None or any(b.pending() for b in backends) or self.control.pending()
+        # calls made on the control and the other backends, alike on every member (MPIBackend.agree_to_free);
+        # summed over the backends so that the state has one length on every rank (device backends are made
+        # on first use: a rank may have one that another has not)
+        state = [int(pending), self.control.seq, sum(b.seq for b in backends)]
+        agreed = self.control.agree_to_free(state, min(self.control.timeout_s, _FREE_AGREEMENT_S))
+        if not agreed:
+            self.control.keep_comm()  # a member may still send on the communicators: never free them
         for b in backends:
             b.shutdown()
         self.control.shutdown()
         if self._comm is None:
             return
-        if self.refusal is None and not (any(b.pending() for b in backends) or self.control.pending()):
+        if agreed and not pending:
             self._comm.Free()
         else:  # MPI may still deliver into it (see MPIBackend.shutdown), or the other ranks' part of the
             # call that failed here waits in it: freed, its context could be reused by a later group

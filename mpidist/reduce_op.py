@@ -191,6 +191,7 @@ class Post(IntEnum):
     NONE = 0
     AVG = 1  # divide by the group size afterwards
     PREMUL = 2  # multiply the input by a factor beforehand
+    KEYS = 3  # floats: reduce order keys (integers) instead, see to_order_keys
 
 
 _R = RedOpType
@@ -215,6 +216,9 @@ def _build(kind: str) -> tuple[tuple[Prim, Post] | None, ...]:
     else:
         if kind in "iuf":
             allowed.update({op: (p, Post.NONE) for op, p in _ARITH.items()})
+        if kind == "f":  # NaN wins and -0 < +0, the same on every rank (see to_order_keys)
+            allowed[_R.MIN] = (Prim.MIN, Post.KEYS)
+            allowed[_R.MAX] = (Prim.MAX, Post.KEYS)
         if kind in "iu":
             allowed.update({op: (p, Post.NONE) for op, p in _BITS.items()})
         if kind == "c":
@@ -293,3 +297,75 @@ def divide_average(a: Any, n: int, xp: Any) -> None:
         a += negative_rest  # floor -> toward zero for negative quotients with a remainder
     else:  # float16/32/64 and bfloat16
         xp.divide(a, n, out=a, casting="unsafe")
+
+
+# -- MIN and MAX on floating-point numbers ------------------------------------------------
+#
+# An MPI library computes MAX on floats as ``a > b ? a : b`` (or similar) in whatever order its
+# algorithm combines the ranks' contributions, and that order differs between ranks: with a
+# NaN, or with +0 and -0, ranks then end up with different results. mpidist instead reduces
+# integer *order keys*: IEEE 754 floats ordered as sign and magnitude become two's-complement
+# integers with the same order (negative floats get their magnitude bits flipped). Integer
+# MIN/MAX pick one of the inputs by a total order, so every rank gets the same bits whatever
+# the reduction order. Before that, every NaN becomes one NaN placed beyond every number in the
+# op's direction, so a NaN anywhere wins (as torch.maximum and torch.minimum propagate NaN),
+# and -0 < +0. This is IEEE 754-2019's maximum and minimum: MAX(+0, -0) = +0, MIN(+0, -0) = -0,
+# and the result NaN is always the default quiet NaN (numpy.nan's bits).
+
+
+_KEY_LAYOUTS: dict[Any, tuple[Any, int, Any, tuple[int, int]]] = {}
+
+
+def _key_layout(dtype: Any, xp: Any) -> tuple[Any, int, Any, tuple[int, int]]:
+    """``(integer dtype, bits - 1, magnitude mask, NaN keys for MAX and MIN)`` of a float dtype."""
+    layout = _KEY_LAYOUTS.get((dtype, xp))
+    if layout is None:
+        idt = xp.dtype(f"i{dtype.itemsize}")
+        shift = 8 * dtype.itemsize - 1
+        quiet = int(xp.array(float("nan"), dtype).view(idt))  # the default quiet NaN, positive: its own key
+        # MAX: the quiet NaN's key lies above +inf's; MIN: ~quiet is the key of -NaN, below -inf's
+        layout = (idt, shift, xp.array((1 << shift) - 1, idt), (quiet, ~quiet))
+        _KEY_LAYOUTS[(dtype, xp)] = layout
+    return layout
+
+
+def to_order_keys(src: Any, dst: Any, prim: Prim, xp: Any) -> Any:
+    """Write the order keys of the float array ``src`` into ``dst``; return them (an integer view).
+
+    ``dst`` is None to convert ``src`` in place, else a separate C-contiguous array with
+    ``src``'s size and itemsize. ``prim`` (Prim.MIN or Prim.MAX) says which way NaN goes:
+    every NaN becomes the one key that wins.
+    """
+    idt, shift, mask, nan_keys = _key_layout(src.dtype, xp)
+    flat = src.reshape(-1)
+    nans = xp.isnan(flat)
+    if not nans.any():
+        nans = None
+    v = flat.view(idt)
+    if dst is None:
+        k = v
+        t = xp.right_shift(v, shift)
+        t &= mask
+        k ^= t
+    else:
+        k = dst.reshape(-1).view(idt)
+        xp.right_shift(v, shift, out=k)
+        k &= mask
+        k ^= v
+    if nans is not None:
+        k[nans] = nan_keys[0] if prim is Prim.MAX else nan_keys[1]
+    return k
+
+
+def from_order_keys(keys: Any, dtype: Any, prim: Prim, xp: Any) -> None:
+    """Turn reduced order keys (an integer view of the result's memory) back into ``dtype`` floats, in place."""
+    _, shift, mask, _ = _key_layout(dtype, xp)
+    k = keys.reshape(-1)
+    t = xp.right_shift(k, shift)
+    t &= mask
+    k ^= t
+    if prim is Prim.MIN:  # MIN's NaN key stands for -NaN: give back the default (positive) quiet NaN
+        floats = k.view(dtype)
+        nans = xp.isnan(floats)
+        if nans.any():
+            floats[nans] = float("nan")

@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import cache
 from functools import reduce as _fold
+from pathlib import Path
 from typing import Any, Callable
 
 import ml_dtypes
@@ -20,6 +22,8 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist.launch.environment import free_port  # noqa: F401 - re-exported for the tests
+from mpidist.launch.rendezvous import speaks_pmi1
+from mpidist.launch.run import local_command
 from mpidist.testing.standin import HostCudaArray
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -396,6 +400,20 @@ class Maker:
 
 
 # -- worlds of plain processes (no MPI launcher) ----------------------------------------------
+
+#: a world of plain processes (torchrun, env://, file:// without mpiexec) needs an MPI library that
+#: speaks PMI-1 (MPICH); Open MPI's processes can only be started by its own launcher
+needs_pmi1 = pytest.mark.skipif(
+    not speaks_pmi1(), reason="no MPI launcher: needs PMI-1 (MPICH); Open MPI needs its launcher (docs/drop-in.md)"
+)
+
+
+@cache
+def mpiexec_command(n: int) -> tuple[str, ...]:
+    """``mpiexec -n N`` (the one beside this Python) for a job of a test's own, as mpidistrun starts it here:
+    with Open MPI's ``--oversubscribe`` (and ``--allow-run-as-root`` for root), which MPICH needs not."""
+    return tuple(local_command([str(Path(sys.executable).parent / "mpiexec")], n))
+
 
 #: prefixes of the variables MPI launchers set (removed for processes that must not look launched)
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_")

@@ -22,6 +22,8 @@ from mpi4py import MPI
 
 from mpidist.launch.abort import ABORT_CODE
 
+from helpers import mpiexec_command
+
 RANK = MPI.COMM_WORLD.Get_rank()
 REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -75,6 +77,8 @@ def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, launcher:
         text=True,
         timeout=CHILD_TIMEOUT_S,
     )
+    # Open MPI's launcher puts a NUL character into the forwarded output now and then (at the start of a line)
+    proc.stdout, proc.stderr = proc.stdout.replace("\0", ""), proc.stderr.replace("\0", "")
     return proc, time.monotonic() - start
 
 
@@ -84,16 +88,31 @@ def script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
     return path
 
 
-def is_mpi_library_line(line: str) -> bool:
-    """MPICH's own report of MPI_Abort ("Abort(70) on node 0 ...: application called MPI_Abort(...)")."""
-    return "MPI_Abort(" in line
+#: Open MPI frames its notices (MPI_ABORT was invoked ..., prterun noticed that ...) with these lines
+OPEN_MPI_RULE = "-" * 74
+
+
+def ours(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are not the MPI library's own report of MPI_Abort.
+
+    MPICH writes one line ("Abort(70) on node 0 ...: application called MPI_Abort(...)");
+    Open MPI writes blocks framed by lines of 74 dashes ("MPI_ABORT was invoked on rank 0 ...")
+    and, once the job has ended, a line holding only a NUL character.
+    """
+    kept, inside = [], False
+    for line in stderr.splitlines():
+        if line == OPEN_MPI_RULE:
+            inside = not inside
+        elif not inside and "MPI_Abort(" not in line and line.strip("\x00 "):
+            kept.append(line)
+    return kept
 
 
 def check_prefixed(stderr: str, rank: int) -> None:
     """Every line of ours on stderr starts with "[rank N] " (MPI's own abort notice aside)."""
-    ours = [line for line in stderr.splitlines() if not is_mpi_library_line(line)]
-    assert ours, f"nothing on stderr: {stderr!r}"
-    bad = [line for line in ours if not line.startswith(f"[rank {rank}] ")]
+    ours_ = ours(stderr)
+    assert ours_, f"nothing on stderr: {stderr!r}"
+    bad = [line for line in ours_ if not line.startswith(f"[rank {rank}] ")]
     assert not bad, f"lines without the [rank {rank}] prefix: {bad}\n--- stderr:\n{stderr}"
 
 
@@ -329,14 +348,14 @@ def test_one_rank_fails_and_the_job_ends(tmp_path):
         print("rank 0 passed the barrier", flush=True)
         """,
     )
-    proc, took = run(["-m", "mpidist", str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    proc, took = run(["-m", "mpidist", str(path)], tmp_path, launcher=list(mpiexec_command(2)))
     assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert took < 30, f"the job took {took:.1f} s to end"
     assert "[rank 1] ValueError: rank one fails\n" in proc.stderr
     assert re.search(r"^\[rank 1\] .*aborting the job", proc.stderr, re.M)
     assert "[rank 0]" not in proc.stderr
     assert "passed the barrier" not in proc.stdout
-    tb = [line for line in proc.stderr.splitlines() if not is_mpi_library_line(line)]
+    tb = ours(proc.stderr)
     assert tb and all(line.startswith("[rank 1] ") for line in tb), proc.stderr
 
 
@@ -360,7 +379,7 @@ def test_abort_on_timeout_ends_the_whole_job(tmp_path):
             dist.all_reduce(np.ones(2), group=g)
         """,
     )
-    proc, took = run([str(path)], tmp_path, clean_env(MPIDIST_ABORT_ON_TIMEOUT="1"), launcher=[str(MPIEXEC), "-n", "2"])
+    proc, took = run([str(path)], tmp_path, clean_env(MPIDIST_ABORT_ON_TIMEOUT="1"), launcher=list(mpiexec_command(2)))
     assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert took < 30, f"the job took {took:.1f} s to end"
     assert re.search(
@@ -408,7 +427,7 @@ def test_leaving_with_a_timed_out_call_pending_aborts_the_job(tmp_path, then):
             rank_1='time.sleep(120)\n        print("rank 1 woke up", flush=True)',
         ),
     )
-    proc, took = run([str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    proc, took = run([str(path)], tmp_path, launcher=list(mpiexec_command(2)))
     assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert took < 30, f"the job took {took:.1f} s to end"
     assert "rank 0 caught the timeout" in proc.stdout and "rank 0 leaves the script" in proc.stdout, proc.stdout
@@ -435,7 +454,7 @@ def test_a_timed_out_call_that_completed_later_does_not_abort(tmp_path):
             '        dist.barrier()\n        print("rank 1 got", x.tolist(), flush=True)',
         ),
     )
-    proc, _ = run([str(path)], tmp_path, launcher=[str(MPIEXEC), "-n", "2"])
+    proc, _ = run([str(path)], tmp_path, launcher=list(mpiexec_command(2)))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "rank 0 caught the timeout" in proc.stdout and "rank 1 got [2.0, 2.0]" in proc.stdout, proc.stdout
     assert "mpidist: exiting with" not in proc.stderr, proc.stderr

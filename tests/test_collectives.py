@@ -12,6 +12,7 @@ mpidist and read the results back from those very objects (``helpers.to_numpy``)
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from helpers import (
     Maker,
     assert_equal,
     assert_identical_on_all_ranks,
+    fail_together,
     kind,
     rank_input,
     reference,
@@ -1678,3 +1680,24 @@ def test_bfloat16_avg_and_premul_round_once(make, rank, world_size):
     dist.all_reduce(y, op=dist.make_premul_sum(0.5))
     exact = (np.array([1.0, 3.0, 100.0]) * n + n * (n - 1) / 2) * 0.5
     assert_equal(y, exact.astype(BF16))
+
+
+@pytest.mark.skipif(MPI.Get_version() >= (4, 0), reason="an MPI-4 library takes 64-bit counts (tests/test_large.py)")
+def test_count_limit_of_an_mpi3_library_is_named(rank, world_size):
+    """An MPI-3 library (Open MPI 5) refuses a message of 2**31 elements with MPI_ERR_ARG: every rank raises a
+    DistBackendError that says why, and the group stays usable (nothing was posted)."""
+    x = np.zeros(2**31 + 8, np.int8)  # the untouched pages of a fresh zeroed array cost no memory
+    note = r"implements MPI 3\.\d, whose calls take counts below 2\*\*31: a message of 2\*\*31 elements or more"
+    problems = []
+    for name, call in (("all_reduce", lambda: dist.all_reduce(x)), ("broadcast", lambda: dist.broadcast(x, src=0))):
+        try:
+            call()
+            problems.append(f"{name} of 2**31 + 8 elements did not raise")
+        except dist.DistBackendError as exc:
+            if not re.search(note, str(exc)):
+                problems.append(f"{name}: {exc}")
+    y = np.ones(2)
+    dist.all_reduce(y)
+    if y.tolist() != [float(world_size)] * 2:
+        problems.append(f"the group after the errors: {y.tolist()}")
+    fail_together(problems)

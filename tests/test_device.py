@@ -66,7 +66,8 @@ def test_all_reduce(mode, dtype, op):
     dist.all_reduce(x, op=op)
     want = reference([rank_input(r, (2, 3), dtype) for r in range(SIZE)], op)
     expect(problems, "all_reduce", x.host, want, close=op == R.AVG and dtype.kind == "c")
-    native = op != R.AVG and dtype.name not in ("float16", "bfloat16")
+    # float MIN/MAX reduce order keys computed on the host (NaN and +/-0 agree on every rank): staged
+    native = op != R.AVG and dtype.name not in ("float16", "bfloat16") and not (op == R.MAX and dtype.kind == "f")
     if mode == "direct" and native and copies() != before:
         problems.append(f"direct all_reduce {op.name} {dtype.name} copied {copies() - before} arrays")
     if mode == "staged" and copies() == before:

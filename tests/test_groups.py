@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 
-from helpers import assert_equal, rank_input
+from helpers import assert_equal, fail_together, rank_input
 
 NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
@@ -656,6 +656,47 @@ def test_new_subgroups_by_enumeration_bad_input(bad, rank, world_size):
 # ---------------------------------------------------------------------------------------------
 # destroy_process_group(subgroup), get_pg_count
 # ---------------------------------------------------------------------------------------------
+
+
+def test_destroy_frees_the_communicators_of_a_group_every_member_is_done_with(rank, world_size):
+    g = dist.new_group()
+    x = np.ones(2)
+    dist.all_reduce(x, group=g)
+    comms = [g.mpi_comm, g.control.comm]
+    dist.destroy_process_group(g)
+    freed = [c == MPI.COMM_NULL for c in comms]
+    everyone = MPI.COMM_WORLD.allgather(freed)
+    assert all(all(f) for f in everyone), everyone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_destroy_keeps_the_communicators_of_a_group_a_rank_skipped_a_call_on(rank, world_size):
+    """Rank 0 skips a broadcast the others enter (its root, rank 1, completes: the data is on its way to rank 0).
+    Freeing the communicators would let MPI give their context id to a later communicator, which the stale
+    message would then reach (Open MPI aborted the job: "PML OB1 received a message from a rank outside the valid
+    range of the communicator"). Every member keeps them instead, and later groups work."""
+    g = dist.new_group(timeout=timedelta(seconds=1))
+    comms = [g.mpi_comm, g.control.comm]
+    problems = []
+    if rank != 0:
+        try:
+            dist.broadcast(np.full(4, float(rank)), src=1, group=g)  # rank 1 completes; ranks 2.. time out
+        except dist.DistBackendError:
+            pass
+    start = time.monotonic()
+    dist.destroy_process_group(g)
+    if time.monotonic() - start > 3.0:
+        problems.append(f"destroy took {time.monotonic() - start:.1f} s (every member called it)")
+    if any(c == MPI.COMM_NULL for c in comms):
+        problems.append("the communicators were freed")
+    singles = [dist.new_group([r]) for r in range(world_size)]  # reuse any freed context id
+    y = np.array([rank], np.int32)
+    dist.broadcast(y, src=rank, group=singles[rank])
+    z = np.ones(3)
+    dist.all_reduce(z)
+    if y[0] != rank or z.tolist() != [float(world_size)] * 3:
+        problems.append(f"later groups: {y.tolist()}, {z.tolist()}")
+    fail_together(problems)
 
 
 def test_destroy_subgroup_leaves_world_working(rank, world_size):

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpidist.init import _claims
 from mpidist.launch import pmi, rendezvous
 
-from helpers import clean_env, free_port, run_plain_world
+from helpers import clean_env, free_port, needs_pmi1, run_plain_world
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,6 +71,7 @@ def _check(results: list[dict], n: int) -> None:
 
 
 @only_once
+@needs_pmi1
 def test_env_init_forms_a_world_without_mpiexec(tmp_path):
     n, port = 3, free_port()
 
@@ -81,12 +82,33 @@ def test_env_init_forms_a_world_without_mpiexec(tmp_path):
 
 
 @only_once
+@needs_pmi1
 def test_file_init_forms_a_world_without_mpiexec(tmp_path):
     n = 2
     url = f"file://{tmp_path}/rendezvous?world_size={n}"
 
     # each process names its rank in the URL
     _check(_run_world(n, lambda r: clean_env(), lambda r: [f"{url}&rank={r}"], tmp_path), n)
+
+
+@only_once
+@pytest.mark.skipif(rendezvous.speaks_pmi1(), reason="this MPI library speaks PMI-1: such worlds form (tested above)")
+def test_a_library_without_pmi1_refuses_plain_processes_clearly(tmp_path):
+    """Open MPI: plain processes with env:// cannot form a world; each says so and how to start the job."""
+    port = free_port()
+    code = "import mpidist as dist\ndist.init_process_group()\n"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "this process was not started by an MPI launcher" in err and "mpiexec -n N" in err, err[-2000:]
 
 
 @only_once

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from mpidist.launch.boot import launched_by_mpi
 from mpidist.launch.environment import fill_environment
 
-from helpers import clean_env, fail_together, free_port, run_plain_world
+from helpers import clean_env, fail_together, free_port, needs_pmi1, run_plain_world
 
 torch = pytest.importorskip("torch")
 tdist = pytest.importorskip("torch.distributed")
@@ -153,6 +153,7 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+@needs_pmi1
 def test_plain_processes_form_a_world_through_env(tmp_path):
     n, port = 2, free_port()
     envs = [clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(n)]

@@ -28,7 +28,19 @@ from mpi4py import MPI
 from .._world import world
 from ..arrays import host as _arrays
 from ..arrays.host import displacements
-from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
+from ..errors import DistBackendError
+from ..reduce_op import (
+    OP_TABLE,
+    Post,
+    Prim,
+    RedOpType,
+    divide_average,
+    factor_value,
+    from_order_keys,
+    invalid_op_error,
+    resolve,
+    to_order_keys,
+)  # fmt: skip
 from ..work import Work, poll
 from .base import BaseBackend
 
@@ -55,6 +67,9 @@ _MPI_TYPE_NAMES = {
     "complex64": "C_FLOAT_COMPLEX", "complex128": "C_DOUBLE_COMPLEX",
 }  # fmt: skip
 _RAW_BY_SIZE = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_T}
+#: the integer types float MIN/MAX reduce their order keys in (reduce_op.to_order_keys), by itemsize
+_KEYS_BY_SIZE = {2: (MPI.INT16_T, np.dtype(np.int16)), 4: (MPI.INT32_T, np.dtype(np.int32)),
+                 8: (MPI.INT64_T, np.dtype(np.int64))}  # fmt: skip
 _WIDE = np.dtype(np.float32)
 
 #: Below this input size reduce_scatter uses Ireduce_scatter_block, above it Ireduce_scatter:
@@ -64,8 +79,13 @@ _BLOCK_VARIANT_LIMIT = 256 << 10
 
 #: whether mpi4py passes 64-bit counts and displacements to MPI (MPI-4 large-count routines)
 _LARGE_COUNTS = MPI.Get_version() >= (4, 0)
+#: the error classes an MPI-3 library gives for a count beyond its 32-bit limit
+_COUNT_ERRORS = (MPI.ERR_ARG, MPI.ERR_COUNT)
 _INT_MAX = 2**31 - 1
 _EMPTY = np.empty(0, np.uint8)
+
+#: the tag of destroy_process_group's agreement on the control communicator (see MPIBackend.agree_to_free)
+_FREE_TAG = 0x3B10
 
 #: marks an op that needs more than one native MPI call (AVG, PREMUL_SUM, widening)
 _GENERAL = object()
@@ -196,6 +216,42 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
     return True
 
 
+def _count_limit_note() -> str:
+    """What an invalid-argument error from an MPI-3 library most likely means (docs/sharp-bits.md)."""
+    version = MPI.Get_library_version().splitlines()
+    library = version[0].split(",")[0].strip() if version else "this MPI library"
+    major, minor = MPI.Get_version()
+    return (
+        f"({library} implements MPI {major}.{minor}, whose calls take counts below 2**31: a message of 2**31 "
+        "elements or more (bytes, for lists of arrays and for objects) needs an MPI-4 library such as MPICH >= 4, "
+        "pip install mpidist[mpich]; see docs/sharp-bits.md)"
+    )
+
+
+_SELF_TRUNCATION: list[bool] = []
+
+
+def _reports_self_truncation() -> bool:
+    """Whether this MPI library reports a message a rank sends itself that is longer than the receive.
+
+    MPICH raises MPI_ERR_TRUNCATE as for any peer; Open MPI 5 silently truncates a message
+    to self (found out once per process, on MPI_COMM_SELF).
+    """
+    if not _SELF_TRUNCATION:
+        comm = MPI.COMM_SELF
+        got = np.zeros(1, np.uint8)
+        recv = comm.Irecv([got, BYTE], 0, 0)
+        comm.Isend([np.ones(2, np.uint8), BYTE], 0, 0).Wait()
+        status = MPI.Status()
+        try:
+            recv.Wait(status)
+            reported = status.Get_error() == ERR_TRUNCATE
+        except MPI.Exception as exc:
+            reported = exc.Get_error_class() == ERR_TRUNCATE
+        _SELF_TRUNCATION.append(reported)
+    return _SELF_TRUNCATION[0]
+
+
 class MPIBackend(BaseBackend):
     """Backend over one private MPI communicator (see the module docstring)."""
 
@@ -247,6 +303,70 @@ class MPIBackend(BaseBackend):
         if self._owns_comm and self.comm != MPI.COMM_NULL and not self.pending():
             self.comm.Free()
 
+    def agree_to_free(self, state: Sequence[int], limit_s: float) -> bool:
+        """Whether every member is done with the group's communicators, so that freeing them is safe.
+
+        ``destroy_process_group`` frees a group's communicators, and MPI reuses their
+        context ids for later communicators. A message still on its way to a freed
+        one (a collective that another member called and this rank skipped, a call
+        that timed out elsewhere) then arrives for the new communicator: Open MPI
+        aborts the job ("PML OB1 received a message from a rank outside the valid
+        range of the communicator"), MPICH may deliver it to a receive of the new
+        one. So before freeing, the members compare ``state`` (this rank's count of
+        calls on each of the group's backends, and 1 if a call is still pending): group
+        rank 0 collects every state with point-to-point messages on this (control)
+        communicator under a tag of their own (no stale collective traffic or library
+        message can match them) and answers each member whether all states are equal
+        and nothing is pending. A member that does not answer within ``limit_s``
+        (it has not called destroy, or is busy elsewhere) means no: the communicators
+        are left allocated (a small leak), never freed under a message in flight.
+        """
+        comm, size = self.comm, self.size
+        if size == 1:
+            return not state[0]
+        mine = np.array(state, np.int64)
+        verdict = np.zeros(1, np.int64)
+        try:
+            if state[0]:  # a call is pending here: the answer is no; tell the others without waiting for them
+                if self.rank != 0:
+                    self._orphans.append(([comm.Isend(mine, 0, _FREE_TAG)], mine))
+                else:
+                    self._orphans.append(([comm.Isend(verdict, k, _FREE_TAG) for k in range(1, size)], verdict))
+                return False
+            if self.rank != 0:
+                sent = comm.Isend(mine, 0, _FREE_TAG)
+                answer = comm.Irecv(verdict, 0, _FREE_TAG)
+                if not poll(answer.Test, limit_s, self.spins):
+                    answer.Cancel()
+                    poll(answer.Test, 1.0, self.spins)  # cancelled at once (or the verdict came after all)
+                    if not answer.Test():  # pragma: no cover - MPI did neither within a second
+                        self._orphans.append(([answer, sent], (mine, verdict)))
+                        return False
+                if not poll(sent.Test, 1.0, self.spins):  # matched by rank 0: completes
+                    self._orphans.append(([sent], mine))  # pragma: no cover
+                return bool(verdict[0])
+            boxes = np.zeros((size - 1, len(state)), np.int64)
+            reqs = [comm.Irecv(boxes[k - 1], k, _FREE_TAG) for k in range(1, size)]
+            everyone = poll(lambda: MPI.Request.Testall(reqs), limit_s, self.spins)
+            answered = [k for k in range(1, size) if reqs[k - 1].Test()]
+            for k in range(1, size):
+                if k not in answered:
+                    reqs[k - 1].Cancel()
+            same = everyone and bool((boxes == mine).all()) and not state[0]
+            verdict[0] = int(same)
+            sends = [comm.Isend(verdict, k, _FREE_TAG) for k in answered]
+            if not poll(lambda: MPI.Request.Testall(sends), 1.0, self.spins):  # pragma: no cover - small: eager
+                self._orphans.append((sends, verdict))
+                return False
+            MPI.Request.Testall([r for k, r in enumerate(reqs, 1) if k not in answered])  # the cancelled receives
+            return same
+        except MPI.Exception:  # pragma: no cover - an MPI error here: keep everything allocated
+            return False
+
+    def keep_comm(self) -> None:
+        """Never free this backend's communicator (``shutdown`` leaves it allocated)."""
+        self._owns_comm = False
+
     def adopt(self, reqs: list[MPI.Request], keep: Any) -> None:
         """Keep the buffers of a Work dropped before completion until MPI is done with them."""
         self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
@@ -294,6 +414,13 @@ class MPIBackend(BaseBackend):
     def _fail(self, op: str, exc: MPI.Exception) -> Exception:
         return self.backend_error(op, self.seq, exc)
 
+    def backend_error(self, op: str, seq: int, exc: BaseException) -> DistBackendError:
+        """Wrap an MPI error; on an MPI-3 library, say what an invalid-argument error most likely means."""
+        error = super().backend_error(op, seq, exc)
+        if not _LARGE_COUNTS and isinstance(exc, MPI.Exception) and exc.Get_error_class() in _COUNT_ERRORS:
+            error = DistBackendError(f"{error} {_count_limit_note()}")
+        return error
+
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
         self,
@@ -320,6 +447,8 @@ class MPIBackend(BaseBackend):
         if entry is None:
             raise invalid_op_error(fn, base, info.kind, info.name)
         prim, post = entry
+        if post is Post.KEYS:
+            return self._keyed(fn, e, prim, send, recv, in_place, start, backs, async_op, keep)
         wide = e.wide
         if wide is not None:
             s = send.astype(wide)
@@ -358,6 +487,48 @@ class MPIBackend(BaseBackend):
                 _write_backs(backs)
 
         return self._done(fn, req, finish, (send, recv, s, r, keep), async_op)
+
+    def _keyed(
+        self,
+        fn: str,
+        e: TypeEntry,
+        prim: Prim,
+        send: ndarray,
+        recv: ndarray | None,
+        in_place: bool,
+        start: Callable[[Any, Any, MPI.Op], MPI.Request],
+        backs: Any,
+        async_op: bool,
+        keep: Any,
+    ) -> Work | None:
+        """MIN/MAX on floats: reduce integer order keys, so every rank gets the same bits (see reduce_op).
+
+        An in-place buffer is converted where it is; a separate input (reduce on a non-root
+        rank, reduce_scatter) is converted into a copy and the result comes back as keys
+        in the output's memory, converted back once the operation completes.
+        """
+        dtype = e.info.dtype
+        mpi_type, key_dtype = _KEYS_BY_SIZE[dtype.itemsize]
+        if in_place:
+            s = r = to_order_keys(send, None, prim, np)
+        else:
+            s = to_order_keys(send, np.empty(send.size, key_dtype), prim, np)
+            world.stats.count_copy(s.nbytes)
+            r = None if recv is None else recv.reshape(-1).view(key_dtype)
+        try:
+            req = start(IN_PLACE if in_place else [s, mpi_type], None if r is None else [r, mpi_type], _PRIM_OPS[prim])
+        except MPI.Exception as exc:
+            if in_place:
+                from_order_keys(s, dtype, prim, np)  # the caller's numbers back (NaN payloads become the default NaN)
+            raise self._fail(fn, exc) from exc
+
+        def finish() -> None:
+            if r is not None:
+                from_order_keys(r, dtype, prim, np)
+            if backs:
+                _write_backs(backs)
+
+        return self._done(fn, req, finish, (send, recv, s, keep), async_op)
 
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
@@ -594,11 +765,17 @@ class MPIBackend(BaseBackend):
         """Post the receive into ``buf`` at once (see :class:`_Receive`)."""
         self.p2p_seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
+        target = buf
+        if (peer == self.rank or (peer is None and self.size == 1)) and not _reports_self_truncation():
+            # Open MPI truncates a longer message from this rank to itself without an error:
+            # receive into one element more, so that a longer message shows (copied on completion)
+            target = np.empty(buf.size + 1, buf.dtype)
+            world.stats.count_copy(buf.nbytes)
         try:
-            req = self.comm.Irecv([buf, e.mpi], ANY_SOURCE if peer is None else peer, tag)
+            req = self.comm.Irecv([target, e.mpi], ANY_SOURCE if peer is None else peer, tag)
         except MPI.Exception as exc:
             raise self.backend_error("recv", self.p2p_seq, exc) from exc
-        return _Receive(req, buf, e, backs, self, peer, None)
+        return _Receive(req, buf, e, backs, self, peer, None, None if target is buf else target)
 
     def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Match the message with a probe first, then receive it (see :class:`_Receive`)."""
@@ -632,16 +809,20 @@ class _Receive(Work):
     collective does.
     """
 
-    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived")
+    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer")
 
     def __init__(
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
-        peer: int | None, probe: tuple[MPI.Comm, int] | None,
+        peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
     ) -> None:  # fmt: skip
         post = None if not backs else partial(_write_backs, backs)  # a staged array: write it back
+        keep = buf if longer is None else (buf, longer)
         Work.__init__(
-            self, [] if req is None else [req], post, buf, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
+            self, [] if req is None else [req], post, keep, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
         )
+        # a posted receive from this rank to itself on a library that truncates those silently:
+        # the message lands in this array of one element more, and is copied into buf
+        self._longer = longer
         self._buf = buf
         self._entry = e
         self._peer = peer  # group rank, or None: any
@@ -692,6 +873,13 @@ class _Receive(Work):
         if got is None:  # a posted receive: the status tells (Open MPI reports a longer message there)
             status = self._status
             got = -3 if status.Get_error() == ERR_TRUNCATE else status.Get_count(self._entry.mpi)
+        longer = self._longer
+        if longer is not None and got != MPI.UNDEFINED:
+            size = self._buf.size
+            if got > size:
+                got = -3
+            n = min(got, size) if got >= 0 else size  # what MPI would have written into the array itself
+            self._buf.reshape(-1)[:n] = longer[:n]
         if got != self._buf.size:
             self._fail(self._size_error(got))
             return

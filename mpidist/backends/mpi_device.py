@@ -9,8 +9,9 @@ the MPI backend in one of two ways:
   array's stream is synchronized and MPI gets the device pointer itself. Only
   when the MPI backend will hand the memory to MPI and nothing else: data
   movement, and reductions MPI computes natively on the dtype. AVG, PREMUL_SUM,
-  widened float16/bfloat16 reductions and overlapping arguments need host-side
-  arithmetic or copies, so they are staged.
+  MIN/MAX on floats (order keys, see ``reduce_op.to_order_keys``), widened
+  float16/bfloat16 reductions and overlapping arguments need host-side arithmetic
+  or copies, so they are staged.
 * **staged**: the array is copied into page-locked host memory (after its
   producer's work), MPI runs on the copy, and outputs are copied back to the
   device once the operation completes. Every staging copy is counted in

@@ -150,11 +150,19 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
     return store, {"PMI_PORT": address, "PMI_ID": str(rank)}
 
 
-def _require_pmi1(fn: str) -> None:
+def speaks_pmi1() -> bool:
+    """Whether this process's MPI library can be started without a launcher (PMI-1: MPICH, Intel MPI)."""
     from mpi4py import MPI  # not initialized yet (see boot.py)
 
     library = MPI.Get_library_version()
-    if "MPICH" not in library and "Intel(R) MPI" not in library:
+    return "MPICH" in library or "Intel(R) MPI" in library
+
+
+def _require_pmi1(fn: str) -> None:
+    from mpi4py import MPI  # not initialized yet (see boot.py)
+
+    if not speaks_pmi1():
+        library = MPI.Get_library_version()
         first = library.splitlines()[0].strip() if library else "this MPI library"
         raise RuntimeError(
             f"{fn}: this process was not started by an MPI launcher, and {first} cannot be connected "

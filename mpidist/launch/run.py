@@ -80,6 +80,24 @@ def _flavour(launcher: list[str]) -> str:
     return "openmpi" if "open mpi" in version.lower() or "open-mpi" in version.lower() else "mpich"
 
 
+def _root_flags(flavour: str) -> list[str]:
+    """Open MPI's launcher refuses to run as root unless told to (hydra and srun do not ask)."""
+    return ["--allow-run-as-root"] if flavour == "openmpi" and hasattr(os, "geteuid") and os.geteuid() == 0 else []
+
+
+def local_command(launcher: list[str], n: int, flavour: str | None = None) -> list[str]:
+    """``launcher -n N`` for N processes on this node, as mpidistrun starts them (then the program).
+
+    Open MPI's launcher gets ``--oversubscribe`` (more processes than cores is allowed, as with
+    MPICH) and, for root, ``--allow-run-as-root``.
+    """
+    flavour = _flavour(launcher) if flavour is None else flavour
+    if flavour == "srun":
+        return [*launcher, "-N", "1", "-n", str(n)]
+    extra = ["--oversubscribe", *_root_flags(flavour)] if flavour == "openmpi" else []
+    return [*launcher, "-n", str(n), *extra]
+
+
 def build_command(
     argv: list[str], launcher: list[str] | None = None, flavour: str | None = None
 ) -> tuple[list[str], dict[str, str]]:
@@ -102,8 +120,7 @@ def build_command(
     elif flavour == "openmpi":
         cmd += ["-n", str(total)]
         cmd += ["--map-by", f"ppr:{per_node}:node"] if nodes > 1 else ["--oversubscribe"]
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
+        cmd += _root_flags(flavour)
     else:
         cmd += ["-n", str(total)] + (["-ppn", str(per_node)] if nodes > 1 else [])
     env = {k: v for k, v in (("MASTER_ADDR", opts.master_addr), ("MASTER_PORT", opts.master_port)) if v is not None}
