@@ -27,10 +27,11 @@ from mpi4py import MPI
 
 from .._world import world
 from ..arrays import host as _arrays
-from ..arrays.host import displacements
+from ..arrays.host import displacements, then_write_back
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, factor_value, invalid_op_error, resolve
 from ..work import Work, poll
 from .base import BaseBackend
+from .mpi_persistent import MPIPersistent, receive_size_error
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -175,10 +176,20 @@ def _vector(
     return [staging, counts, displs, BYTE], None, backs
 
 
+def _complete(reqs: list[MPI.Request]) -> bool:
+    """``MPI_Testall`` of requests left behind (dropped Works, timed-out calls), one request at a time.
+
+    MPICH 5.0.2's ``MPI_Testall`` fails persistent collective requests (MPI_ERR_IN_STATUS, with
+    MPI_SUCCESS in the status) while ``MPI_Test`` completes them; a persistent operation left behind
+    (``mpidist.persistent``) hands its request here.
+    """
+    return all(r.Test() for r in reqs)
+
+
 def _finished(reqs: list[MPI.Request]) -> bool:
     """Whether the requests of a call that timed out have completed since (one that failed counts as pending)."""
     try:
-        return bool(MPI.Request.Testall(reqs))
+        return _complete(reqs)
     except MPI.Exception:
         return False
 
@@ -196,8 +207,11 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
     return True
 
 
-class MPIBackend(BaseBackend):
-    """Backend over one private MPI communicator (see the module docstring)."""
+class MPIBackend(MPIPersistent, BaseBackend):
+    """Backend over one private MPI communicator (see the module docstring).
+
+    Its persistent operations (``*_init``) come from :class:`~mpidist.backends.mpi_persistent.MPIPersistent`.
+    """
 
     name = "mpi"
 
@@ -234,7 +248,7 @@ class MPIBackend(BaseBackend):
 
     # -- plumbing -----------------------------------------------------------------------
     def pending(self) -> bool:
-        self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
+        self._orphans = [o for o in self._orphans if not _complete(o[0])]
         self._stuck = [s for s in self._stuck if not _finished(s[0])]  # a late rank may have completed one
         return bool(self._stuck or self._orphans)
 
@@ -249,8 +263,8 @@ class MPIBackend(BaseBackend):
 
     def adopt(self, reqs: list[MPI.Request], keep: Any) -> None:
         """Keep the buffers of a Work dropped before completion until MPI is done with them."""
-        self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
-        if not MPI.Request.Testall(reqs):
+        self._orphans = [o for o in self._orphans if not _complete(o[0])]
+        if not _complete(reqs):
             self._orphans.append((reqs, keep))
 
     def _bad_dtype(self, a: ndarray, fn: str) -> TypeEntry:
@@ -295,6 +309,64 @@ class MPIBackend(BaseBackend):
         return self.backend_error(op, self.seq, exc)
 
     # -- reductions -----------------------------------------------------------------------
+    def _reduction_plan(
+        self, fn: str, e: TypeEntry, op: Any, send: ndarray, recv: ndarray | None, in_place: bool
+    ) -> tuple[Any, Any, MPI.Op, Callable[[], None] | None, Callable[[], None] | None, tuple]:
+        """The messages and steps of a reduction that one native MPI call cannot do alone.
+
+        Handles AVG (divide afterwards), PREMUL_SUM (scale a copy of the input
+        first; the factor is read at every run), dtypes that MPI cannot reduce
+        (work on a float32 copy). Returns ``(send message, recv message, MPI op,
+        prepare, finish, buffers)``: the messages are bound to buffers allocated here
+        once, ``prepare()`` (None if there is nothing to do) fills them before each
+        run and ``finish()`` (or None) completes each run, so a persistent request
+        can be made on the messages as well as a one-off call.
+        """
+        base, factor = resolve(op, fn)
+        info = e.info
+        entry = OP_TABLE[info.kind][base]
+        if entry is None:
+            raise invalid_op_error(fn, base, info.kind, info.name)
+        prim, post = entry
+        premul = post is Post.PREMUL
+        if premul:
+            f = factor_value(factor)
+            if isinstance(f, complex) and info.kind != "c":
+                raise ValueError(f"{fn}: PREMUL_SUM factor {f!r} is complex but the array is {info.name}")
+        wide = e.wide
+        if wide is not None:
+            s = np.empty(send.shape, wide)
+            r = s if in_place else (None if recv is None else np.empty(recv.shape, wide))
+            mpi_type = self._types[wide].mpi
+        else:
+            s = np.empty_like(send) if premul and not in_place else send  # never scale the caller's input
+            r, mpi_type = recv, e.mpi
+        copied = s is not send
+        count = world.stats.count_copy
+
+        def prepare() -> None:
+            if copied:
+                np.copyto(s, send, casting="unsafe")
+                count(s.nbytes)
+            if premul:
+                np.multiply(s, factor_value(factor), out=s, casting="unsafe")
+
+        size = self.size
+        average = post is Post.AVG
+
+        def finish() -> None:
+            if average:
+                divide_average(r, size, np)
+            if wide is not None:
+                np.copyto(recv, r, casting="unsafe")
+                if r is not s:
+                    count(r.nbytes)
+
+        smsg = IN_PLACE if in_place else [s, mpi_type]
+        rmsg = None if r is None else [r, mpi_type]
+        done = finish if r is not None and (average or wide is not None) else None
+        return smsg, rmsg, _PRIM_OPS[prim], prepare if copied or premul else None, done, (send, recv, s, r)
+
     def _reduction(
         self,
         fn: str,
@@ -308,56 +380,16 @@ class MPIBackend(BaseBackend):
         async_op: bool,
         keep: Any = None,
     ) -> Work | None:
-        """Run a reduction whose MPI call is ``start(send message, recv message, op)``.
-
-        Handles what a single native MPI call cannot: AVG (divide afterwards),
-        PREMUL_SUM (scale a copy of the input first), dtypes that MPI cannot reduce
-        (work on a float32 copy) and staged outputs (write back).
-        """
-        base, factor = resolve(op, fn)
-        info = e.info
-        entry = OP_TABLE[info.kind][base]
-        if entry is None:
-            raise invalid_op_error(fn, base, info.kind, info.name)
-        prim, post = entry
-        wide = e.wide
-        if wide is not None:
-            s = send.astype(wide)
-            world.stats.count_copy(s.nbytes)
-            if in_place or recv is None:
-                r = s if in_place else None
-            else:
-                r = np.empty(recv.shape, wide)
-                world.stats.count_copy(r.nbytes)
-            mpi_type = self._types[wide].mpi
-        else:
-            s, r, mpi_type = send, recv, e.mpi
-        if post is Post.PREMUL:
-            f = factor_value(factor)
-            if isinstance(f, complex) and info.kind != "c":
-                raise ValueError(f"{fn}: PREMUL_SUM factor {f!r} is complex but the array is {info.name}")
-            if s is send and not in_place:  # never scale the caller's input
-                s = send.copy()
-                world.stats.count_copy(s.nbytes)
-            np.multiply(s, f, out=s, casting="unsafe")
-        smsg = IN_PLACE if in_place else [s, mpi_type]
-        rmsg = None if r is None else [r, mpi_type]
+        """Run a reduction whose MPI call is ``start(send message, recv message, op)`` (see ``_reduction_plan``);
+        staged outputs are written back afterwards."""
+        smsg, rmsg, mop, prepare, finish, bufs = self._reduction_plan(fn, e, op, send, recv, in_place)
+        if prepare is not None:
+            prepare()
         try:
-            req = start(smsg, rmsg, _PRIM_OPS[prim])
+            req = start(smsg, rmsg, mop)
         except MPI.Exception as exc:
             raise self._fail(fn, exc) from exc
-        size = self.size
-
-        def finish() -> None:
-            if r is not None:
-                if post is Post.AVG:
-                    divide_average(r, size, np)
-                if wide is not None:
-                    np.copyto(recv, r, casting="unsafe")
-            if backs:
-                _write_backs(backs)
-
-        return self._done(fn, req, finish, (send, recv, s, r, keep), async_op)
+        return self._done(fn, req, then_write_back(finish, backs), (bufs, keep), async_op)
 
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
@@ -698,14 +730,7 @@ class _Receive(Work):
         Work._complete(self)
 
     def _size_error(self, got: int) -> ValueError:
-        size, name = self._buf.size, self._entry.info.name
-        where = f"from rank {self._status.Get_source()} (group rank)"
-        if got == -3:
-            return ValueError(
-                f"recv: a message {where} is larger than the {size} elements of {name} expected; sizes must match"
-            )
-        arrived = f"{-2 - got} bytes" if got < -1 else str(got)
-        return ValueError(f"recv: expected {size} elements of {name} {where} but {arrived} arrived; sizes must match")
+        return receive_size_error(self._buf.size, self._entry.info.name, self._status.Get_source(), got)
 
     def _expired(self, limit: float) -> None:
         owner, op, seq = self._owner, self._op, self._seq
