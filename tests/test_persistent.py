@@ -247,7 +247,7 @@ def test_reduce_scatter_tensor_init(fam, opname, make, rank, world_size, checks)
 
 
 def test_reduce_scatter_tensor_init_large(rank, world_size, checks):
-    """An input from 512 KiB on takes MPI_Reduce_scatter_init instead of the block variant."""
+    """An input from 256 KiB on takes MPI_Reduce_scatter_init instead of the block variant."""
     dtype = np.dtype(np.float32)
     k = (1 << 18) // world_size + 1  # 1 MiB of float32 in all
     out = np.empty(k, dtype)

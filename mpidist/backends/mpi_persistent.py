@@ -48,9 +48,10 @@ ERR_TRUNCATE = MPI.ERR_TRUNCATE
 ndarray = np.ndarray
 
 #: Below this input size reduce_scatter_tensor_init uses MPI_Reduce_scatter_block_init, from it on
-#: MPI_Reduce_scatter_init: measured with MPICH 5 on 2 ranks, the block variant is as fast up to
-#: 256 KiB and 4-10x slower from 1 MiB on (as its nonblocking form, see mpi.py).
-_BLOCK_VARIANT_LIMIT = 512 << 10
+#: MPI_Reduce_scatter_init (as the one-off call switches variants, see mpi.py). Measured with MPICH 5 on
+#: 2 ranks (raw start/test loops against the blocking call): the two are equally fast up to 384 KiB,
+#: while the block variant takes 1.4x the blocking call at 512 KiB and 1.9x at 1 MiB, the vector one 0.97x.
+_BLOCK_VARIANT_LIMIT = 256 << 10
 
 _I32 = MPI.INT32_T
 
