@@ -124,8 +124,9 @@ def test_every_collective_table_json_and_check(tmp_path, capsys, checks):
             checks.equal(f"{r['collective']}: #wrong columns", (cells[8], cells[12]), ("0", "0"))
             if r["bytes"]:
                 alg, bus = float(cells[6]), float(cells[7])
+                # both printed to 2 decimals: each is off by up to 0.005, algbw's error scaled by the factor
                 checks.true(f"{r['collective']}: printed busbw {bus} = algbw {alg} x factor",
-                            abs(bus - alg * r["busbw_factor"]) <= 0.01)  # fmt: skip
+                            abs(bus - alg * r["busbw_factor"]) <= 0.005 * (1 + r["busbw_factor"]) + 1e-9)  # fmt: skip
         checks.true("check summary", "# check: 0 wrong elements (all results correct)" in out)
     checks.done()
 
