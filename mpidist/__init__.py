@@ -75,6 +75,17 @@ from .objects import (
     send_object_list,
 )
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .persistent import (
+    Persistent,
+    all_gather_into_tensor_init,
+    all_reduce_init,
+    all_to_all_single_init,
+    broadcast_init,
+    recv_init,
+    reduce_init,
+    reduce_scatter_tensor_init,
+    send_init,
+)
 from .process_group import GroupMember, ProcessGroup, group
 from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum, reduce_op, supports_complex
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
@@ -148,6 +159,16 @@ __all__ = [
     "monitored_barrier",
     "all_reduce_coalesced",
     "all_gather_coalesced",
+    # persistent operations (MPI-4's *_init; beyond torch.distributed)
+    "Persistent",
+    "broadcast_init",
+    "all_reduce_init",
+    "reduce_init",
+    "all_gather_into_tensor_init",
+    "reduce_scatter_tensor_init",
+    "all_to_all_single_init",
+    "send_init",
+    "recv_init",
     # objects
     "broadcast_object_list",
     "all_gather_object",

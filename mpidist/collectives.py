@@ -82,10 +82,26 @@ def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.nda
             )
 
 
-def _check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+def check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
     """Raise unless the dtypes are equal (callers test identity first: builtin dtypes are singletons)."""
     if a.dtype != b.dtype:
         raise TypeError(f"{fn}: {a_name} is {a.dtype.name} but {b_name} is {b.dtype.name}; dtypes must match")
+
+
+def gathered_size_error(fn: str, out: Any, inp: Any, n: int) -> ValueError:
+    """The error of an all-gather whose ``output_tensor`` is not ``n`` times ``input_tensor``."""
+    return ValueError(
+        f"{fn}: output_tensor has {out.size} elements but must have world_size * "
+        f"input_tensor.size = {n} * {inp.size} = {n * inp.size}"
+    )
+
+
+def scattered_size_error(fn: str, out: Any, inp: Any, n: int) -> ValueError:
+    """The error of a reduce-scatter whose ``input`` is not ``n`` times ``output``."""
+    return ValueError(
+        f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
+        f"{n} * {out.size} = {n * out.size}"
+    )
 
 
 def _check_own_size(fn: str, mine: np.ndarray, name: str, rank: int, local: np.ndarray, local_name: str) -> None:
@@ -222,12 +238,9 @@ def all_gather_into_tensor(
     out, target, inp = prepare_pair(output_tensor, input_tensor, fn, "output_tensor", "input_tensor")
     n = pg._size
     if out.dtype is not inp.dtype:
-        _check_dtype(fn, out, "output_tensor", inp, "input_tensor")
+        check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != n * inp.size:
-        raise ValueError(
-            f"{fn}: output_tensor has {out.size} elements but must have world_size * "
-            f"input_tensor.size = {n} * {inp.size} = {n * inp.size}"
-        )
+        raise gathered_size_error(fn, out, inp, n)
     w = pg.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
     if w is not None:
         w._outputs = [output_tensor]
@@ -368,12 +381,9 @@ def reduce_scatter_tensor(
     out, target, inp = prepare_pair(output, input, fn, "output", "input")
     n = pg._size
     if out.dtype is not inp.dtype:
-        _check_dtype(fn, out, "output", inp, "input")
+        check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
-        raise ValueError(
-            f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
-            f"{n} * {out.size} = {n * out.size}"
-        )
+        raise scattered_size_error(fn, out, inp, n)
     w = pg.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
     if w is not None:
         w._outputs = [output]
@@ -403,11 +413,11 @@ def _split_counts(
     return [s * row_elems for s in sizes]
 
 
-def _all_to_all_counts(
+def all_to_all_counts(
     fn: str, out: Any, inp: Any, output_split_sizes: Any, input_split_sizes: Any, n: int
 ) -> tuple[list[int] | None, list[int] | None]:
     """Check all_to_all_single's arrays and split sizes; return the element counts (None: even splits)."""
-    _check_dtype(fn, out, "output", inp, "input")
+    check_dtype(fn, out, "output", inp, "input")
     if out.ndim == 0 or inp.ndim == 0:
         raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
     if out.shape[1:] != inp.shape[1:]:
@@ -452,7 +462,7 @@ def all_to_all_single(
     if even and out.dtype is inp.dtype and out.shape == shape and shape and not shape[0] % n:
         in_counts = out_counts = None  # even splits of arrays of one shape and dtype: nothing more to check
     else:
-        in_counts, out_counts = _all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, n)
+        in_counts, out_counts = all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, n)
     w = pg.all_to_all_single(out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op)
     if w is not None:
         w._outputs = [output]

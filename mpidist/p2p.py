@@ -25,7 +25,8 @@ _DST = ("dst", "group_dst")
 _SRC = ("src", "group_src")
 
 
-def _tag(tag: Any, fn: str) -> int:
+def tag_value(tag: Any, fn: str) -> int:
+    """Return ``tag`` as an int within MPI's range, or raise TypeError/ValueError naming ``fn``."""
     if isinstance(tag, bool) or not hasattr(tag, "__index__"):
         raise TypeError(f"{fn}: tag must be an int, got {type(tag).__name__}")
     t = operator.index(tag)
@@ -45,14 +46,14 @@ def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
 
 def _start_send(pg: ProcessGroup, tensor: Any, peer: int, tag: Any, fn: str) -> Work:
     buf = prepare_input(tensor, fn, "tensor")
-    w = pg.send(buf, peer, _tag(tag, fn))
+    w = pg.send(buf, peer, tag_value(tag, fn))
     w._outputs = [tensor]
     return w
 
 
 def _start_recv(pg: ProcessGroup, tensor: Any, peer: int | None, tag: Any, fn: str) -> Work:
     buf, target = prepare_output(tensor, fn, "tensor")
-    w = pg.recv(buf, None if target is None else [(buf, target)], peer, _tag(tag, fn))
+    w = pg.recv(buf, None if target is None else [(buf, target)], peer, tag_value(tag, fn))
     w._outputs = [tensor]
     return w
 
@@ -117,7 +118,7 @@ def recv(
         _not_self(pg, peer, "recv", "source")
     buf, target = prepare_output(tensor, "recv", "tensor")
     # waited for at once: the backend may match the message before writing (sharp-bits: receive sizes)
-    w = pg.recv_blocking(buf, None if target is None else [(buf, target)], peer, _tag(tag, "recv"))
+    w = pg.recv_blocking(buf, None if target is None else [(buf, target)], peer, tag_value(tag, "recv"))
     w._outputs = [tensor]
     w.wait()
     return pg.ranks[w.source_rank()]
@@ -185,7 +186,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     prepared = []
     for i, p in enumerate(p2p_op_list):
         where = f"{fn}: p2p_op_list[{i}] ({p.op.__name__})"
-        tag = _tag(p.tag, where)
+        tag = tag_value(p.tag, where)
         if p.op is isend:
             prepared.append((True, prepare_input(p.tensor, where, "tensor"), None, p.group_peer, tag))
         else:

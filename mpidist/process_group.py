@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -12,7 +13,7 @@ from numpy import ndarray
 from ._world import world
 from .arrays.device import DeviceArray
 from .arrays.host import Buffer
-from .backends.base import BaseBackend
+from .backends.base import BaseBackend, PersistentPlan
 from .diagnose.debug import DebugBackend, DebugLevel
 from .errors import DistError, RankNotInGroupError
 from .work import Work
@@ -32,6 +33,10 @@ __all__ = [
     "rank_int",
     "NON_GROUP_MEMBER",
 ]
+
+
+#: the index of a backend's DebugBackend in its levels (see _levels)
+_TRACED = 1
 
 
 def _levels(backend: BaseBackend, pg: ProcessGroup) -> tuple[BaseBackend, BaseBackend, BaseBackend]:
@@ -93,6 +98,8 @@ class ProcessGroup:
         # the route of the common case, a dict lookup: host arrays to the host backend (none on device-only groups)
         self._route: dict[type, tuple[BaseBackend, ...]] = {} if self._host is None else {ndarray: self._host}
         self.refusal: str | None = None  # why this group refuses every call on this rank (see failed_alone)
+        #: the live persistent operations made on this group (mpidist.persistent.Persistent), freed by shutdown
+        self.persistent: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- routing: each method below takes ``(self._route.get(type(x)) or self._levels(...))[world.debug_level]``
     def _levels(self, fn: str, a: Any, b: Any = None) -> tuple[BaseBackend, ...]:
@@ -148,6 +155,8 @@ class ProcessGroup:
                 "while the other ranks may have sent their part of it"
             )
             self._route = {}  # every call now takes _levels, which refuses it
+            for p in list(self.persistent):  # and so does every start of the persistent operations made before
+                p._group_refused(lambda: self._refuse("Persistent.start"))
         return exc
 
     def _refuse(self, fn: str) -> None:
@@ -277,6 +286,39 @@ class ProcessGroup:
                     works.append(backend.recv(buf, backs, peer, tag))
         return works
 
+    # -- persistent operations (mpidist.persistent): routed like the one-off calls --------
+    # Creation is rare, so it takes the general route, and always through the DebugBackend (index 1 of
+    # the levels): at OFF that only labels the plan, so that its starts can be traced and checked
+    # whenever the debug level is raised later.
+    def broadcast_init(self, buf: Buffer, backs: Backs, root: int) -> PersistentPlan:
+        return self._levels("broadcast_init", buf)[_TRACED].broadcast_init(buf, backs, root)
+
+    def all_reduce_init(self, buf: Buffer, backs: Backs, op: Any) -> PersistentPlan:
+        return self._levels("all_reduce_init", buf)[_TRACED].all_reduce_init(buf, backs, op)
+
+    def reduce_init(self, buf: Buffer, backs: Backs, op: Any, root: int) -> PersistentPlan:
+        return self._levels("reduce_init", buf)[_TRACED].reduce_init(buf, backs, op, root)
+
+    def all_gather_into_tensor_init(self, out: Buffer, backs: Backs, inp: Buffer) -> PersistentPlan:
+        b = self._levels("all_gather_into_tensor_init", out, inp)[_TRACED]
+        return b.all_gather_into_tensor_init(out, backs, inp)
+
+    def reduce_scatter_tensor_init(self, out: Buffer, backs: Backs, inp: Buffer, op: Any) -> PersistentPlan:
+        b = self._levels("reduce_scatter_tensor_init", out, inp)[_TRACED]
+        return b.reduce_scatter_tensor_init(out, backs, inp, op)
+
+    def all_to_all_single_init(
+        self, out: Buffer, backs: Backs, inp: Buffer, out_counts: Any, in_counts: Any
+    ) -> PersistentPlan:
+        b = self._levels("all_to_all_single_init", out, inp)[_TRACED]
+        return b.all_to_all_single_init(out, backs, inp, out_counts, in_counts)
+
+    def send_init(self, buf: Buffer, peer: int, tag: int) -> PersistentPlan:
+        return self._levels("send_init", buf)[_TRACED].send_init(buf, peer, tag)
+
+    def recv_init(self, buf: Buffer, backs: Backs, peer: int | None, tag: int) -> PersistentPlan:
+        return self._levels("recv_init", buf)[_TRACED].recv_init(buf, backs, peer, tag)
+
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
         """Return this process's rank in the group."""
@@ -295,6 +337,8 @@ class ProcessGroup:
         if self.destroyed:
             return
         self.destroyed = True
+        for p in list(self.persistent):
+            p._group_destroyed()  # free their requests while the communicator still exists
         backends = [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
         # a refused group (failed_alone) counts as pending: the other ranks' part of the failed call may be in flight
         pending = self.refusal is not None or any(b.pending() for b in backends) or self.control.pending()

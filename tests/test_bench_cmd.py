@@ -43,8 +43,13 @@ FACTORS = {
     "p2p_latency": lambda n: 1.0,
     "p2p_bandwidth": lambda n: 1.0,
 }
+#: the persistent variants (start/wait of mpidist's *_init) have their one-off case's factor
+PERSISTENT = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+              "all_to_all_single", "p2p_latency"]  # fmt: skip
+FACTORS.update({f"{name}_persistent": FACTORS[name] for name in PERSISTENT})
 #: collectives whose size S is n x count (nccl-tests: the gathered or scattered buffer)
 SPLIT = {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter"}
+SPLIT |= {f"{name}_persistent" for name in PERSISTENT if name in SPLIT}
 
 
 def expected_sizes(name: str, sizes: list[int], n: int, itemsize: int) -> list[tuple[int, int]]:
@@ -88,7 +93,7 @@ def test_every_collective_table_json_and_check(tmp_path, capsys, checks):
         checks.true(f"header names the ranks and backend: {out[:200]!r}", f"{n} ranks, backend mpi" in out)
         for name in CASES:
             mine = [r for r in rows if r["collective"] == name]
-            if name in ("p2p_latency", "p2p_bandwidth") and n < 2:
+            if name in ("p2p_latency", "p2p_bandwidth", "p2p_latency_persistent") and n < 2:
                 checks.equal(f"{name} rows at 1 rank", mine, [])
                 checks.true(f"{name} says it was skipped", f"# {name}: skipped, it needs at least 2 ranks" in out)
                 continue

@@ -185,6 +185,38 @@ def test_reduce_scatter_gives_the_rule_and_leaves_inputs_alone(dtype, op):
     checks.done()
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_persistent_operations_follow_the_rule_at_every_run(dtype, op):
+    """all_reduce_init, reduce_init and reduce_scatter_tensor_init convert to keys and back at each run."""
+    rows = [rank_values(r, SIZE, dtype) for r in range(SIZE)]
+    want = expected(op, dtype, rows)
+    rop = getattr(dist.ReduceOp, op)
+    checks = Checks()
+    x = np.empty_like(rows[RANK])
+    root = SIZE - 1
+    y = np.empty_like(x)
+    chunked = [np.concatenate([rank_values(r, SIZE, dtype, shift=i) for i in range(SIZE)]) for r in range(SIZE)]
+    inp = chunked[RANK].copy()
+    out = np.empty(x.size, dtype)
+    want_chunks = expected(op, dtype, chunked).reshape(SIZE, -1)
+    with dist.all_reduce_init(x, op=rop) as pa, dist.reduce_init(y, dst=root, op=rop) as pr, \
+            dist.reduce_scatter_tensor_init(out, inp, op=rop) as ps:  # fmt: skip
+        for run in range(3):
+            x[...] = rows[RANK]
+            y[...] = rows[RANK]
+            for p in (pa, pr, ps):
+                p.start().wait()
+            checks.true(f"run {run}: all_reduce_init got {describe_bits(x)}", same_bits(x, want))
+            checks.identical(f"run {run}", x)
+            mine = want if RANK == root else rows[RANK]
+            checks.true(f"run {run}: reduce_init got {describe_bits(y)}", same_bits(y, mine))
+            checks.true(f"run {run}: reduce_scatter_tensor_init got {describe_bits(out)}",
+                        same_bits(out, want_chunks[RANK]))  # fmt: skip
+            checks.true(f"run {run}: reduce_scatter_tensor_init changed its input", same_bits(inp, chunked[RANK]))
+    checks.done()
+
+
 @pytest.mark.parametrize("path", ["device staged", "device CUDA-aware"])
 @pytest.mark.parametrize("op", OPS)
 def test_device_arrays_over_mpi_follow_the_rule(op, path, monkeypatch):

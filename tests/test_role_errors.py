@@ -119,3 +119,22 @@ def test_an_error_every_rank_makes_alike_leaves_the_group_usable(fresh):
     problems = check_raises(TypeError, "tensor", dist.broadcast, [1.0, 2.0], src=0, group=fresh)
     problems += check_raises(TypeError, "tensor", dist.reduce, "abc", dst=0, group=fresh)
     fail_together(problems + _still_correct(fresh))
+
+
+def test_off_a_refused_group_refuses_its_persistent_operations(fresh):
+    """Persistent operations made before the failure refuse to start, and no new one can be made."""
+    r = dist.get_rank()
+    x = np.full(2, r + 1.0)
+    p = dist.all_reduce_init(x, group=fresh)
+    p.start().wait()  # a run before the failure works on every rank
+    n = dist.get_world_size()
+    problems = [] if np.array_equal(x, np.full(2, n * (n + 1) / 2)) else [f"persistent all_reduce gave {x}"]
+    call, text = _bad_call("gather_no_list", r)
+    if r == 0:
+        problems += check_raises(ValueError, text, call, fresh)
+        problems += check_raises(DistError, r"unusable on this rank: gather \(call #\d+\)", p.start)
+        problems += check_raises(DistError, "unusable on this rank", dist.all_reduce_init, np.zeros(2), group=fresh)
+    else:
+        call(fresh)
+    p.free()
+    fail_together(problems + _still_correct(None))

@@ -40,11 +40,14 @@ __all__ = [
     "prepare_input",
     "prepare_output",
     "prepare_inout",
+    "prepare_source",
     "prepare_input_list",
     "prepare_output_list",
     "dtype_info",
     "describe",
     "write_back",
+    "copy_in",
+    "then_write_back",
     "may_overlap",
     "as_array",
     "DeviceArray",
@@ -263,6 +266,25 @@ def prepare_input(x: Any, fn: str, arg: str) -> Buffer:
     return a if a.flags.c_contiguous else _contiguous_copy(a)
 
 
+def prepare_source(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
+    """:func:`prepare_input` for an operation that reads ``x`` again on every run (persistent operations).
+
+    Returns ``(buffer, source)``: ``source`` is None when the buffer is ``x``'s own
+    memory (a C-contiguous array of a supported dtype: every run reads what ``x``
+    holds then), else the caller's array whose current values :func:`copy_in`
+    copies into the staged buffer before each run.
+    """
+    if type(x) is not ndarray:
+        x = host_view(x)
+    if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
+        return x, None
+    a = _adapt(x, fn, arg)
+    dtype_info(a.dtype, fn, arg)
+    if type(a) is DeviceArray:
+        return (a, None) if a.c_contiguous else (_device_copy(a, keep_data=True), a)
+    return (a, None) if a.flags.c_contiguous else (_contiguous_copy(a), a)
+
+
 def _check_writeable(a: ndarray, fn: str, arg: str) -> None:
     if not a.flags.writeable:
         raise ValueError(f"{fn}: {arg} is read-only; outputs must be writeable arrays (pass a copy)")
@@ -353,6 +375,30 @@ def write_back(buf: ndarray | DeviceArray, target: ndarray | DeviceArray) -> Non
             target.ops.to_device(target, buf)
         return
     np.copyto(target, buf.reshape(target.shape), casting="no")
+
+
+def then_write_back(finish: Callable[[], None] | None, backs: Any) -> Callable[[], None] | None:
+    """``finish()``, then the write-backs of staged outputs (``(buffer, target)`` pairs): what completes
+    an operation, as one callable (None if there is nothing to do)."""
+    if not backs:
+        return finish
+
+    def post() -> None:
+        if finish is not None:
+            finish()
+        for buf, target in backs:
+            write_back(buf, target)
+
+    return post
+
+
+def copy_in(buf: ndarray | DeviceArray, source: ndarray | DeviceArray) -> None:
+    """Copy the caller's array ``source`` into its staged buffer (the reverse of :func:`write_back`), counted."""
+    if type(buf) is DeviceArray:
+        buf.ops.copy(buf, source)
+    else:
+        np.copyto(buf, source, casting="no")
+    world.stats.count_copy(buf.nbytes)
 
 
 def _check_list(xs: Any, fn: str, arg: str, n: int | None) -> Sequence[Any]:

@@ -14,13 +14,19 @@ method receives:
 A third-party backend registered with ``Backend.register_backend`` returns an
 object of a subclass of :class:`BaseBackend` from its factory.
 
+Persistent operations (``mpidist.persistent``): ``<collective>_init`` methods take
+the same prepared arguments minus ``async_op`` and return a :class:`PersistentPlan`.
+By default each run of the plan is the backend's own nonblocking call
+(``async_op=True``), so every backend has them; the MPI backend overrides them
+with MPI-4 persistent requests bound to the arrays.
+
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
@@ -29,6 +35,68 @@ from ..diagnose import stall
 from ..errors import DistBackendError
 from ..launch import abort
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
+
+
+class PersistentPlan:
+    """What a backend makes for a persistent operation; ``mpidist.persistent.Persistent`` runs it.
+
+    Either ``req``, a persistent MPI request bound to the arrays (each run:
+    ``pre()``, ``req.Start()``; once ``test()`` is true: ``post()``), or, where the
+    backend has no persistent requests, ``begin``: each run calls it and waits for
+    the :class:`~mpidist.work.Work` it returns (the backend's nonblocking call).
+
+    Attributes:
+        owner: the backend that made it (timeout errors, stuck requests, spins, group name).
+        op: the operation's name in messages, e.g. ``"persistent all_reduce"``.
+        seq: the group's call number of its creation (the same on every rank), or the
+            sender's point-to-point number for ``send_init``/``recv_init``.
+        req, test, pre, post: the persistent request; how to test it (default
+            ``req.Test``); what to do before each start and after each completion.
+        begin: the fallback's start (returns a Work).
+        cancel: for a receive, ``cancel(limit)`` after a timeout: True if the run was
+            cancelled (nothing is left pending), False if its message completed it
+            meanwhile, None if it is still pending.
+        release: frees the request (``MPI_Request_free``), or None.
+        keep: the buffers MPI uses, referenced as long as the plan exists.
+        p2p: a send or receive (its starts are traced, never compared across ranks).
+        debug, text, nbytes: the group's DebugBackend, which traces and checks starts
+            while the debug level is above OFF, and the description it logs.
+    """
+
+    __slots__ = ("owner", "op", "seq", "req", "test", "pre", "post", "begin", "cancel", "release", "keep",
+                 "p2p", "debug", "text", "nbytes", "timeout_s")  # fmt: skip
+
+    def __init__(
+        self,
+        owner: BaseBackend,
+        op: str,
+        seq: int,
+        keep: Any,
+        req: Any = None,
+        begin: Callable[[], Work] | None = None,
+        pre: Callable[[], None] | None = None,
+        post: Callable[[], None] | None = None,
+        test: Callable[[], Any] | None = None,
+        release: Callable[[], None] | None = None,
+        cancel: Callable[[float], bool | None] | None = None,
+        p2p: bool = False,
+    ) -> None:
+        self.owner = owner
+        self.op = op
+        self.seq = seq
+        self.keep = keep
+        self.req = req
+        self.begin = begin
+        self.pre = pre
+        self.post = post
+        self.test = test if test is not None or req is None else req.Test
+        self.release = release
+        self.cancel = cancel
+        self.p2p = p2p
+        self.debug: Any = None
+        self.text = op
+        self.nbytes = 0
+        self.timeout_s = owner.timeout_s
 
 
 class BaseBackend(ABC):
@@ -199,6 +267,46 @@ class BaseBackend(ABC):
         and a receive that times out leaves nothing posted. By default: ``recv``.
         """
         return self.recv(buf, backs, peer, tag)
+
+    # -- persistent operations: by default each run is the backend's nonblocking call ----------
+    def _nonblocking_plan(self, op: str, begin: Callable[[], Any], keep: Any, p2p: bool = False) -> PersistentPlan:
+        """A plan whose every run is ``begin()``, a call with ``async_op=True`` (or isend/irecv)."""
+        seq = self.p2p_calls_issued() if p2p else self.calls_issued()
+        return PersistentPlan(self, op, seq, keep, begin=begin, p2p=p2p)
+
+    def broadcast_init(self, buf: np.ndarray, backs: Any, root: int) -> PersistentPlan:
+        return self._nonblocking_plan("broadcast", lambda: self.broadcast(buf, backs, root, True), buf)
+
+    def all_reduce_init(self, buf: np.ndarray, backs: Any, op: Any) -> PersistentPlan:
+        return self._nonblocking_plan("all_reduce", lambda: self.all_reduce(buf, backs, op, True), buf)
+
+    def reduce_init(self, buf: np.ndarray, backs: Any, op: Any, root: int) -> PersistentPlan:
+        return self._nonblocking_plan("reduce", lambda: self.reduce(buf, backs, op, root, True), buf)
+
+    def all_gather_into_tensor_init(self, out: np.ndarray, backs: Any, inp: np.ndarray) -> PersistentPlan:
+        begin = lambda: self.all_gather_into_tensor(out, backs, inp, True)  # noqa: E731
+        return self._nonblocking_plan("all_gather_into_tensor", begin, (out, inp))
+
+    def reduce_scatter_tensor_init(self, out: np.ndarray, backs: Any, inp: np.ndarray, op: Any) -> PersistentPlan:
+        begin = lambda: self.reduce_scatter_tensor(out, backs, inp, op, True)  # noqa: E731
+        return self._nonblocking_plan("reduce_scatter_tensor", begin, (out, inp))
+
+    def all_to_all_single_init(
+        self,
+        out: np.ndarray,
+        backs: Any,
+        inp: np.ndarray,
+        out_counts: Sequence[int] | None,
+        in_counts: Sequence[int] | None,
+    ) -> PersistentPlan:
+        begin = lambda: self.all_to_all_single(out, backs, inp, out_counts, in_counts, True)  # noqa: E731
+        return self._nonblocking_plan("all_to_all_single", begin, (out, inp))
+
+    def send_init(self, buf: np.ndarray, peer: int, tag: int) -> PersistentPlan:
+        return self._nonblocking_plan("send", lambda: self.send(buf, peer, tag), buf, p2p=True)
+
+    def recv_init(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> PersistentPlan:
+        return self._nonblocking_plan("recv", lambda: self.recv(buf, backs, peer, tag), buf, p2p=True)
 
 
 class WrapperBackend(BaseBackend):

@@ -19,15 +19,14 @@ arrays need no packing (see ``_vector``).
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .._world import world
 from ..arrays import host as _arrays
-from ..arrays.host import displacements
+from ..arrays.host import displacements, then_write_back
 from ..errors import DistBackendError
 from ..reduce_op import (
     OP_TABLE,
@@ -43,6 +42,7 @@ from ..reduce_op import (
 )  # fmt: skip
 from ..work import Work, poll
 from .base import BaseBackend
+from .mpi_persistent import MPIPersistent, receive_size_error
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -71,6 +71,8 @@ _RAW_BY_SIZE = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T, 8: MPI.UINT64_
 _KEYS_BY_SIZE = {2: (MPI.INT16_T, np.dtype(np.int16)), 4: (MPI.INT32_T, np.dtype(np.int32)),
                  8: (MPI.INT64_T, np.dtype(np.int64))}  # fmt: skip
 _WIDE = np.dtype(np.float32)
+#: a step of an operation (prepare, finish, undo), or None where there is nothing to do
+Step = Optional[Callable[[], None]]
 
 #: Below this input size reduce_scatter uses Ireduce_scatter_block, above it Ireduce_scatter:
 #: measured with MPICH 5 on 2 ranks, the vector variant costs +2.3 us at 8 B, while the
@@ -144,11 +146,6 @@ def type_table() -> dict[np.dtype, TypeEntry]:
     return world.mpi_type_table
 
 
-def _write_backs(backs: Sequence[tuple[ndarray, ndarray]]) -> None:
-    for buf, target in backs:
-        _arrays.write_back(buf, target)
-
-
 def _address(a: ndarray) -> int:
     return MPI.buffer(a).address
 
@@ -195,10 +192,20 @@ def _vector(
     return [staging, counts, displs, BYTE], None, backs
 
 
+def _complete(reqs: list[MPI.Request]) -> bool:
+    """``MPI_Testall`` of requests left behind (dropped Works, timed-out calls), one request at a time.
+
+    MPICH 5.0.2's ``MPI_Testall`` fails persistent collective requests (MPI_ERR_IN_STATUS, with
+    MPI_SUCCESS in the status) while ``MPI_Test`` completes them; a persistent operation left behind
+    (``mpidist.persistent``) hands its request here.
+    """
+    return all(r.Test() for r in reqs)
+
+
 def _finished(reqs: list[MPI.Request]) -> bool:
     """Whether the requests of a call that timed out have completed since (one that failed counts as pending)."""
     try:
-        return bool(MPI.Request.Testall(reqs))
+        return _complete(reqs)
     except MPI.Exception:
         return False
 
@@ -252,8 +259,11 @@ def _reports_self_truncation() -> bool:
     return _SELF_TRUNCATION[0]
 
 
-class MPIBackend(BaseBackend):
-    """Backend over one private MPI communicator (see the module docstring)."""
+class MPIBackend(MPIPersistent, BaseBackend):
+    """Backend over one private MPI communicator (see the module docstring).
+
+    Its persistent operations (``*_init``) come from :class:`~mpidist.backends.mpi_persistent.MPIPersistent`.
+    """
 
     name = "mpi"
 
@@ -290,7 +300,7 @@ class MPIBackend(BaseBackend):
 
     # -- plumbing -----------------------------------------------------------------------
     def pending(self) -> bool:
-        self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
+        self._orphans = [o for o in self._orphans if not _complete(o[0])]
         self._stuck = [s for s in self._stuck if not _finished(s[0])]  # a late rank may have completed one
         return bool(self._stuck or self._orphans)
 
@@ -369,8 +379,8 @@ class MPIBackend(BaseBackend):
 
     def adopt(self, reqs: list[MPI.Request], keep: Any) -> None:
         """Keep the buffers of a Work dropped before completion until MPI is done with them."""
-        self._orphans = [o for o in self._orphans if not MPI.Request.Testall(o[0])]
-        if not MPI.Request.Testall(reqs):
+        self._orphans = [o for o in self._orphans if not _complete(o[0])]
+        if not _complete(reqs):
             self._orphans.append((reqs, keep))
 
     def _bad_dtype(self, a: ndarray, fn: str) -> TypeEntry:
@@ -422,6 +432,105 @@ class MPIBackend(BaseBackend):
         return error
 
     # -- reductions -----------------------------------------------------------------------
+    def _reduction_plan(
+        self, fn: str, e: TypeEntry, op: Any, send: ndarray, recv: ndarray | None, in_place: bool
+    ) -> tuple[Any, Any, MPI.Op, Step, Step, Step, tuple]:
+        """The messages and steps of a reduction that one native MPI call cannot do alone.
+
+        Handles AVG (divide afterwards), PREMUL_SUM (scale a copy of the input
+        first; the factor is read at every run), dtypes that MPI cannot reduce
+        (work on a float32 copy), MIN/MAX on floats (``_keys_plan``). Returns
+        ``(send message, recv message, MPI op, prepare, finish, undo, buffers)``: the
+        messages are bound to buffers allocated here once, ``prepare()`` (None if
+        there is nothing to do) fills them before each run, ``finish()`` (or None)
+        completes each run and ``undo()`` (or None) gives the caller's input back if
+        the MPI call fails after ``prepare()``; so a persistent request can be made on
+        the messages as well as a one-off call.
+        """
+        base, factor = resolve(op, fn)
+        info = e.info
+        entry = OP_TABLE[info.kind][base]
+        if entry is None:
+            raise invalid_op_error(fn, base, info.kind, info.name)
+        prim, post = entry
+        if post is Post.KEYS:
+            return self._keys_plan(e, prim, send, recv, in_place)
+        premul = post is Post.PREMUL
+        if premul:
+            f = factor_value(factor)
+            if isinstance(f, complex) and info.kind != "c":
+                raise ValueError(f"{fn}: PREMUL_SUM factor {f!r} is complex but the array is {info.name}")
+        wide = e.wide
+        if wide is not None:
+            s = np.empty(send.shape, wide)
+            r = s if in_place else (None if recv is None else np.empty(recv.shape, wide))
+            mpi_type = self._types[wide].mpi
+        else:
+            s = np.empty_like(send) if premul and not in_place else send  # never scale the caller's input
+            r, mpi_type = recv, e.mpi
+        copied = s is not send
+        count = world.stats.count_copy
+
+        def prepare() -> None:
+            if copied:
+                np.copyto(s, send, casting="unsafe")
+                count(s.nbytes)
+            if premul:
+                np.multiply(s, factor_value(factor), out=s, casting="unsafe")
+
+        size = self.size
+        average = post is Post.AVG
+
+        def finish() -> None:
+            if average:
+                divide_average(r, size, np)
+            if wide is not None:
+                np.copyto(recv, r, casting="unsafe")
+                if r is not s:
+                    count(r.nbytes)
+
+        smsg = IN_PLACE if in_place else [s, mpi_type]
+        rmsg = None if r is None else [r, mpi_type]
+        done = finish if r is not None and (average or wide is not None) else None
+        return smsg, rmsg, _PRIM_OPS[prim], prepare if copied or premul else None, done, None, (send, recv, s, r)
+
+    def _keys_plan(
+        self, e: TypeEntry, prim: Prim, send: ndarray, recv: ndarray | None, in_place: bool
+    ) -> tuple[Any, Any, MPI.Op, Step, Step, Step, tuple]:
+        """MIN/MAX on floats: reduce integer order keys, so every rank gets the same bits (see reduce_op).
+
+        An in-place buffer is converted where it is (and back on failure); a separate
+        input (reduce on a non-root rank, reduce_scatter) is converted into a copy made
+        here once. The result comes back as keys in the output's memory, converted back
+        when each run completes.
+        """
+        dtype = e.info.dtype
+        mpi_type, key_dtype = _KEYS_BY_SIZE[dtype.itemsize]
+        if in_place:
+            s = r = send.reshape(-1).view(key_dtype)
+        else:
+            s = np.empty(send.size, key_dtype)
+            r = None if recv is None else recv.reshape(-1).view(key_dtype)
+        count = world.stats.count_copy
+
+        def prepare() -> None:
+            if in_place:
+                to_order_keys(send, None, prim, np)
+            else:
+                to_order_keys(send, s, prim, np)
+                count(s.nbytes)
+
+        def finish() -> None:
+            from_order_keys(r, dtype, prim, np)  # NaN payloads become the default NaN
+
+        def undo() -> None:
+            from_order_keys(s, dtype, prim, np)  # the caller's numbers back
+
+        smsg = IN_PLACE if in_place else [s, mpi_type]
+        rmsg = None if r is None else [r, mpi_type]
+        done = None if r is None else finish
+        return smsg, rmsg, _PRIM_OPS[prim], prepare, done, undo if in_place else None, (send, recv, s, r)
+
     def _reduction(
         self,
         fn: str,
@@ -435,100 +544,18 @@ class MPIBackend(BaseBackend):
         async_op: bool,
         keep: Any = None,
     ) -> Work | None:
-        """Run a reduction whose MPI call is ``start(send message, recv message, op)``.
-
-        Handles what a single native MPI call cannot: AVG (divide afterwards),
-        PREMUL_SUM (scale a copy of the input first), dtypes that MPI cannot reduce
-        (work on a float32 copy) and staged outputs (write back).
-        """
-        base, factor = resolve(op, fn)
-        info = e.info
-        entry = OP_TABLE[info.kind][base]
-        if entry is None:
-            raise invalid_op_error(fn, base, info.kind, info.name)
-        prim, post = entry
-        if post is Post.KEYS:
-            return self._keyed(fn, e, prim, send, recv, in_place, start, backs, async_op, keep)
-        wide = e.wide
-        if wide is not None:
-            s = send.astype(wide)
-            world.stats.count_copy(s.nbytes)
-            if in_place or recv is None:
-                r = s if in_place else None
-            else:
-                r = np.empty(recv.shape, wide)
-                world.stats.count_copy(r.nbytes)
-            mpi_type = self._types[wide].mpi
-        else:
-            s, r, mpi_type = send, recv, e.mpi
-        if post is Post.PREMUL:
-            f = factor_value(factor)
-            if isinstance(f, complex) and info.kind != "c":
-                raise ValueError(f"{fn}: PREMUL_SUM factor {f!r} is complex but the array is {info.name}")
-            if s is send and not in_place:  # never scale the caller's input
-                s = send.copy()
-                world.stats.count_copy(s.nbytes)
-            np.multiply(s, f, out=s, casting="unsafe")
-        smsg = IN_PLACE if in_place else [s, mpi_type]
-        rmsg = None if r is None else [r, mpi_type]
+        """Run a reduction whose MPI call is ``start(send message, recv message, op)`` (see ``_reduction_plan``);
+        staged outputs are written back afterwards."""
+        smsg, rmsg, mop, prepare, finish, undo, bufs = self._reduction_plan(fn, e, op, send, recv, in_place)
+        if prepare is not None:
+            prepare()
         try:
-            req = start(smsg, rmsg, _PRIM_OPS[prim])
+            req = start(smsg, rmsg, mop)
         except MPI.Exception as exc:
+            if undo is not None:
+                undo()
             raise self._fail(fn, exc) from exc
-        size = self.size
-
-        def finish() -> None:
-            if r is not None:
-                if post is Post.AVG:
-                    divide_average(r, size, np)
-                if wide is not None:
-                    np.copyto(recv, r, casting="unsafe")
-            if backs:
-                _write_backs(backs)
-
-        return self._done(fn, req, finish, (send, recv, s, r, keep), async_op)
-
-    def _keyed(
-        self,
-        fn: str,
-        e: TypeEntry,
-        prim: Prim,
-        send: ndarray,
-        recv: ndarray | None,
-        in_place: bool,
-        start: Callable[[Any, Any, MPI.Op], MPI.Request],
-        backs: Any,
-        async_op: bool,
-        keep: Any,
-    ) -> Work | None:
-        """MIN/MAX on floats: reduce integer order keys, so every rank gets the same bits (see reduce_op).
-
-        An in-place buffer is converted where it is; a separate input (reduce on a non-root
-        rank, reduce_scatter) is converted into a copy and the result comes back as keys
-        in the output's memory, converted back once the operation completes.
-        """
-        dtype = e.info.dtype
-        mpi_type, key_dtype = _KEYS_BY_SIZE[dtype.itemsize]
-        if in_place:
-            s = r = to_order_keys(send, None, prim, np)
-        else:
-            s = to_order_keys(send, np.empty(send.size, key_dtype), prim, np)
-            world.stats.count_copy(s.nbytes)
-            r = None if recv is None else recv.reshape(-1).view(key_dtype)
-        try:
-            req = start(IN_PLACE if in_place else [s, mpi_type], None if r is None else [r, mpi_type], _PRIM_OPS[prim])
-        except MPI.Exception as exc:
-            if in_place:
-                from_order_keys(s, dtype, prim, np)  # the caller's numbers back (NaN payloads become the default NaN)
-            raise self._fail(fn, exc) from exc
-
-        def finish() -> None:
-            if r is not None:
-                from_order_keys(r, dtype, prim, np)
-            if backs:
-                _write_backs(backs)
-
-        return self._done(fn, req, finish, (send, recv, s, keep), async_op)
+        return self._done(fn, req, then_write_back(finish, backs), (bufs, keep), async_op)
 
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
@@ -609,7 +636,7 @@ class MPIBackend(BaseBackend):
             req = self._ibcast([buf, e.mpi], root)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
-        post = None if backs is None else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("broadcast", req, post, buf, async_op)
 
     def all_gather_into_tensor(self, out: ndarray, backs: Any, inp: ndarray, async_op: bool) -> Work | None:
@@ -626,7 +653,7 @@ class MPIBackend(BaseBackend):
             req = self._iallgather(smsg, [out, e.mpi])
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
-        post = None if backs is None else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("all_gather_into_tensor", req, post, (out, smsg), async_op)
 
     def all_gather(self, outs: Sequence[ndarray], backs: Any, inp: ndarray, async_op: bool) -> Work | None:
@@ -638,7 +665,7 @@ class MPIBackend(BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from exc
         backs = (backs or []) + staged
-        post = None if not backs else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("all_gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def _own_block(self, inp: ndarray, mine: ndarray, addrs: list[int] | None, outs: Sequence[ndarray]) -> Any:
@@ -666,7 +693,7 @@ class MPIBackend(BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("gather", exc) from exc
         backs = (backs or []) + staged
-        post = None if not backs else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def scatter(
@@ -687,7 +714,7 @@ class MPIBackend(BaseBackend):
             req = self.comm.Iscatterv(smsg, rmsg, root)
         except MPI.Exception as exc:
             raise self._fail("scatter", exc) from exc
-        post = None if not backs else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("scatter", req, post, (out, ins, smsg), async_op)
 
     def all_to_all_single(
@@ -713,7 +740,7 @@ class MPIBackend(BaseBackend):
                 )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
-        post = None if backs is None else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("all_to_all_single", req, post, (inp, out), async_op)
 
     def all_to_all(self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool) -> Work | None:
@@ -727,7 +754,7 @@ class MPIBackend(BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("all_to_all", exc) from exc
         backs = (backs or []) + staged
-        post = None if not backs else (lambda: _write_backs(backs))
+        post = then_write_back(None, backs)
         return self._done("all_to_all", req, post, (ins, outs, smsg, rmsg), async_op)
 
     def gate(self, op: str) -> None:
@@ -815,7 +842,7 @@ class _Receive(Work):
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
         peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
     ) -> None:  # fmt: skip
-        post = None if not backs else partial(_write_backs, backs)  # a staged array: write it back
+        post = then_write_back(None, backs)  # a staged array: write it back
         keep = buf if longer is None else (buf, longer)
         Work.__init__(
             self, [] if req is None else [req], post, keep, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
@@ -886,14 +913,7 @@ class _Receive(Work):
         Work._complete(self)
 
     def _size_error(self, got: int) -> ValueError:
-        size, name = self._buf.size, self._entry.info.name
-        where = f"from rank {self._status.Get_source()} (group rank)"
-        if got == -3:
-            return ValueError(
-                f"recv: a message {where} is larger than the {size} elements of {name} expected; sizes must match"
-            )
-        arrived = f"{-2 - got} bytes" if got < -1 else str(got)
-        return ValueError(f"recv: expected {size} elements of {name} {where} but {arrived} arrived; sizes must match")
+        return receive_size_error(self._buf.size, self._entry.info.name, self._status.Get_source(), got)
 
     def _expired(self, limit: float) -> None:
         owner, op, seq = self._owner, self._op, self._seq

@@ -4,9 +4,11 @@ A :class:`Case` knows its size rule (nccl-tests' size S and count), its bus
 bandwidth factor, and how to set up one size: :meth:`Case.setup` returns a
 :class:`Run` holding the buffers, one mpidist iteration, one raw mpi4py iteration
 (the blocking call on a duplicate of ``COMM_WORLD``) and what each rank's outputs
-must hold for ``--check``. A new case (a persistent collective, once mpidist has
-them: set up once in ``setup``, started and waited for in the iteration) is one
-more :func:`register` call.
+must hold for ``--check``. A new case is one more :func:`register` call.
+
+The ``*_persistent`` cases time mpidist's persistent operations
+(``mpidist.all_reduce_init`` ...): made once per size, then each iteration is
+``p.start(); p.wait()``, against the same raw mpi4py blocking call as the one-off case.
 
 Inputs are small integers (exact in every dtype, also when summed), the same
 function of (rank, index) on every rank, so every rank can build every expected
@@ -16,6 +18,7 @@ result with numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -250,6 +253,40 @@ def register(case: Case) -> Case:
     return case
 
 
+def _persistent(run: Run, make: Callable[[], Callable[[], None]]) -> Run:
+    """``run`` with its mpidist iteration replaced by the one ``make()`` returns (after making the operations).
+
+    The persistent operations are made at the first call (the check or the first
+    call of the size: collective, on every rank, and where mpidist's refusal is
+    reported as a one-off call's is); that call rebinds ``run.mpidist`` to the bare
+    iteration, which is what is timed.
+    """
+
+    def first() -> None:
+        iteration = make()
+        run.mpidist = iteration
+        iteration()
+
+    run.mpidist = first
+    return run
+
+
+def _start_wait(p: Any) -> Callable[[], None]:
+    """One iteration of a persistent collective: ``p.start(); p.wait()``."""
+    start, wait = p.start, p.wait
+
+    def iteration() -> None:
+        start()
+        wait()
+
+    return iteration
+
+
+def _variant(run: Run, make: Callable[[], Any], persistent: bool) -> Run:
+    """``run`` (a one-off case), or its persistent variant: each iteration starts and waits for ``make()``'s operation."""
+    return _persistent(run, lambda: _start_wait(make())) if persistent else run
+
+
 def _all_n(n: int) -> float:
     return 2 * (n - 1) / n
 
@@ -263,7 +300,7 @@ def _spread(n: int) -> float:
 
 
 # -- the collectives ---------------------------------------------------------------------------
-def _all_reduce(ctx: Context, c: int) -> Run:
+def _all_reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
     dist, op, comm, rb, mop = ctx.dist, ctx.reduce_op, ctx.comm, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
@@ -272,29 +309,31 @@ def _all_reduce(ctx: Context, c: int) -> Run:
         comm.Allreduce(MPI.IN_PLACE, rb, mop)
 
     want = lambda: ctx.reduced(c)  # noqa: E731
-    return Run(
+    run = Run(
         mpidist=lambda: dist.all_reduce(a, op=op),
         raw=None if missing else ctx.averaged(raw, b),
         raw_missing=missing,
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(a, want)], "raw": [(b, want)]},
     )
+    return _variant(run, lambda: dist.all_reduce_init(a, op=op), persistent)
 
 
-def _broadcast(ctx: Context, c: int) -> Run:
+def _broadcast(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
     dist, root, comm, rb = ctx.dist, ctx.root, ctx.comm, ctx.buf(b)
     want = lambda: ctx.pattern(c, root)  # noqa: E731
-    return Run(
+    run = Run(
         mpidist=lambda: dist.broadcast(a, src=root),
         raw=lambda: comm.Bcast(rb, root),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(a, want)], "raw": [(b, want)]},
     )
+    return _variant(run, lambda: dist.broadcast_init(a, src=root), persistent)
 
 
-def _reduce(ctx: Context, c: int) -> Run:
+def _reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
     dist, op, root, comm, rb, mop = ctx.dist, ctx.reduce_op, ctx.root, ctx.comm, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
@@ -308,31 +347,33 @@ def _reduce(ctx: Context, c: int) -> Run:
     else:
         raw_call = lambda: comm.Reduce(rb, None, mop, root)  # noqa: E731
         want = lambda: None  # noqa: E731 - undefined off the root
-    return Run(
+    run = Run(
         mpidist=lambda: dist.reduce(a, dst=root, op=op),
         raw=None if missing else raw_call,
         raw_missing=missing,
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(a, want)], "raw": [(b, want)]},
     )
+    return _variant(run, lambda: dist.reduce_init(a, dst=root, op=op), persistent)
 
 
 def _gathered(ctx: Context, c: int) -> np.ndarray:
     return np.concatenate([ctx.pattern(c, r) for r in range(ctx.size)])
 
 
-def _all_gather_into_tensor(ctx: Context, c: int) -> Run:
+def _all_gather_into_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n = ctx.size
     a, out, b, raw_out = ctx.empty(c), ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n)
     dist, comm, rb, rout = ctx.dist, ctx.comm, ctx.buf(b), ctx.buf(raw_out)
     want = lambda: _gathered(ctx, c)  # noqa: E731
-    return Run(
+    run = Run(
         mpidist=lambda: dist.all_gather_into_tensor(out, a),
         raw=lambda: comm.Allgather(rb, rout),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(out, want)], "raw": [(raw_out, want)]},
     )
+    return _variant(run, lambda: dist.all_gather_into_tensor_init(out, a), persistent)
 
 
 def _all_gather(ctx: Context, c: int) -> Run:
@@ -352,7 +393,7 @@ def _all_gather(ctx: Context, c: int) -> Run:
     )
 
 
-def _reduce_scatter_tensor(ctx: Context, c: int) -> Run:
+def _reduce_scatter_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
     a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n), ctx.empty(c)
     dist, op, comm, rb, rout, mop = ctx.dist, ctx.reduce_op, ctx.comm, ctx.buf(b), ctx.buf(raw_out), ctx.raw_op
@@ -362,16 +403,17 @@ def _reduce_scatter_tensor(ctx: Context, c: int) -> Run:
         comm.Reduce_scatter_block(rb, rout, mop)
 
     want = lambda: ctx.reduced(c * n)[me * c : (me + 1) * c]  # noqa: E731
-    return Run(
+    run = Run(
         mpidist=lambda: dist.reduce_scatter_tensor(out, a, op=op),
         raw=None if missing else ctx.averaged(raw, raw_out),
         raw_missing=missing,
         inputs=[(a, lambda: ctx.pattern(c * n, me)), (b, lambda: ctx.pattern(c * n, me))],
         outputs={"mpidist": [(out, want)], "raw": [(raw_out, want)]},
     )
+    return _variant(run, lambda: dist.reduce_scatter_tensor_init(out, a, op=op), persistent)
 
 
-def _all_to_all_single(ctx: Context, c: int) -> Run:
+def _all_to_all_single(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
     a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n)
     dist, comm, rb, rout = ctx.dist, ctx.comm, ctx.buf(b), ctx.buf(raw_out)
@@ -379,13 +421,14 @@ def _all_to_all_single(ctx: Context, c: int) -> Run:
     def want() -> np.ndarray:
         return np.concatenate([ctx.pattern(c * n, r)[me * c : (me + 1) * c] for r in range(n)])
 
-    return Run(
+    run = Run(
         mpidist=lambda: dist.all_to_all_single(out, a),
         raw=lambda: comm.Alltoall(rb, rout),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c * n, me)), (b, lambda: ctx.pattern(c * n, me))],
         outputs={"mpidist": [(out, want)], "raw": [(raw_out, want)]},
     )
+    return _variant(run, lambda: dist.all_to_all_single_init(out, a), persistent)
 
 
 def _gather(ctx: Context, c: int) -> Run:
@@ -450,8 +493,10 @@ def _noop() -> None:
     pass
 
 
-def _p2p_latency(ctx: Context, c: int) -> Run:
-    """Ping-pong between ranks 0 and 1 (OSU's osu_latency); the other ranks wait at the batch barriers."""
+def _p2p_latency(ctx: Context, c: int, persistent: bool = False) -> Run:
+    """Ping-pong between ranks 0 and 1 (OSU's osu_latency); the other ranks wait at the batch barriers.
+
+    Persistent: ``send_init``/``recv_init`` made once, each one-way message a ``start(); wait()``."""
     me = ctx.rank
     s, r, rs, rr = ctx.empty(c), ctx.empty(c), ctx.empty(c), ctx.empty(c)
     dist, comm, bs, br = ctx.dist, ctx.comm, ctx.buf(rs), ctx.buf(rr)
@@ -480,13 +525,30 @@ def _p2p_latency(ctx: Context, c: int) -> Run:
             comm.Send(bs, peer)
 
     want = lambda: ctx.pattern(c, peer)  # noqa: E731
-    return Run(
+    run = Run(
         mpidist=mpidist_call,
         raw=raw_call,
         raw_missing=missing,
         inputs=[(s, lambda: ctx.pattern(c, me)), (rs, lambda: ctx.pattern(c, me))],
         outputs={"mpidist": [(r, want)], "raw": [(rr, want)]},
     )
+    if persistent:
+        return _persistent(run, lambda: _ping_pong(dist.send_init(s, dst=peer), dist.recv_init(r, src=peer), me == 0))
+    return run
+
+
+def _ping_pong(send: Any, recv: Any, sends_first: bool) -> Callable[[], None]:
+    """One ping-pong iteration of a persistent send and receive: send then receive, or receive then send."""
+    a, b = (send, recv) if sends_first else (recv, send)
+    a_start, a_wait, b_start, b_wait = a.start, a.wait, b.start, b.wait
+
+    def iteration() -> None:
+        a_start()
+        a_wait()
+        b_start()
+        b_wait()
+
+    return iteration
 
 
 def _p2p_bandwidth(ctx: Context, c: int) -> Run:
@@ -549,6 +611,21 @@ for _case in (
          min_ranks=2, per_iteration=lambda ctx: 2),
     Case("p2p_bandwidth", "a window of isend/irecv from rank 0 to 1; time is per message", _one, "1",
          _p2p_bandwidth, min_ranks=2, per_iteration=lambda ctx: ctx.window),
+    # persistent operations: made once per size, each iteration p.start(); p.wait(); raw: the same blocking call
+    Case("all_reduce_persistent", "all_reduce_init: start/wait; raw: Allreduce", _all_n, "2(n-1)/n",
+         partial(_all_reduce, persistent=True), reduces=True),
+    Case("broadcast_persistent", "broadcast_init: start/wait; raw: Bcast", _one, "1",
+         partial(_broadcast, persistent=True), rooted=True),
+    Case("reduce_persistent", "reduce_init: start/wait; raw: Reduce", _one, "1", partial(_reduce, persistent=True),
+         reduces=True, rooted=True),
+    Case("all_gather_into_tensor_persistent", "all_gather_into_tensor_init: start/wait; raw: Allgather", _spread,
+         "(n-1)/n", partial(_all_gather_into_tensor, persistent=True), split=True),
+    Case("reduce_scatter_tensor_persistent", "reduce_scatter_tensor_init: start/wait; raw: Reduce_scatter_block",
+         _spread, "(n-1)/n", partial(_reduce_scatter_tensor, persistent=True), split=True, reduces=True),
+    Case("all_to_all_single_persistent", "all_to_all_single_init: start/wait; raw: Alltoall", _spread, "(n-1)/n",
+         partial(_all_to_all_single, persistent=True), split=True),
+    Case("p2p_latency_persistent", "ping-pong of send_init/recv_init between ranks 0 and 1; time is one way",
+         _one, "1", partial(_p2p_latency, persistent=True), min_ranks=2, per_iteration=lambda ctx: 2),
 ):
     register(_case)
 # fmt: on

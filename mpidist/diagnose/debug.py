@@ -33,7 +33,7 @@ import numpy as np
 
 from .._object_wire import gather_all
 from .._world import world
-from ..backends.base import BaseBackend, WrapperBackend
+from ..backends.base import BaseBackend, PersistentPlan, WrapperBackend
 from ..errors import DistError
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
@@ -219,6 +219,10 @@ RULES: dict[str, list[Callable[[list[Call]], str | None]]] = {
     "all_to_all": [_SAME_DTYPE, _transposed("sizes", "other", "all_to_all")],
     "barrier": [],
 }
+# a persistent collective's creation must agree as the one-off call does (its starts: by op and creation number)
+for _name in ("broadcast", "all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+              "all_to_all_single"):  # fmt: skip
+    RULES[f"{_name}_init"] = RULES[_name]
 
 
 def verdict(calls: list[Call]) -> str | None:
@@ -247,14 +251,15 @@ class DebugBackend(WrapperBackend):
         super().__init__(inner)
         self.pg = pg
 
-    def _run(self, call: Call, nbytes: int, start: Callable[[], Any]) -> Any:
+    def _run(self, call: Call, nbytes: int, start: Callable[[], Any], mode: str | None = None) -> Any:
         if world.debug_level >= DebugLevel.DETAIL:
             self._check(call)
         t0 = time.perf_counter()
         result = start()
         if world.debug_level >= DebugLevel.INFO:
             took = time.perf_counter() - t0
-            mode = " (async, posted)" if result is not None else ""
+            if mode is None:
+                mode = " (async, posted)" if result is not None else ""
             logger.info(
                 f"[rank {self.pg.ranks[self.inner.rank]}] group={self.pg.group_name} #{call.seq} "
                 f"{call.text} {nbytes} B {took * 1e6:.1f} us{mode}"
@@ -287,28 +292,45 @@ class DebugBackend(WrapperBackend):
     def _call(self, op: str, text: str, **kw: Any) -> Call:
         return Call(op, self.inner.calls_issued() + 1, f"{op} {text}".strip(), **kw)
 
+    # -- what each collective's call looks like (shared by the one-off call and its *_init) --
+    def _broadcast_call(self, fn: str, buf: np.ndarray, root: int) -> Call:
+        return self._call(fn, f"{_arr(buf)} src={self.pg.ranks[root]}", root=root, dtype=buf.dtype.name, size=buf.size)
+
+    def _all_reduce_call(self, fn: str, buf: np.ndarray, op: Any) -> Call:
+        r = _op_name(op)
+        return self._call(fn, f"{_arr(buf)} op={r}", reduce=r, dtype=buf.dtype.name, size=buf.size)
+
+    def _reduce_call(self, fn: str, buf: np.ndarray, op: Any, root: int) -> Call:
+        r = _op_name(op)
+        return self._call(fn, f"{_arr(buf)} op={r} dst={self.pg.ranks[root]}", root=root, reduce=r,
+                          dtype=buf.dtype.name, size=buf.size)  # fmt: skip
+
+    def _all_gather_into_tensor_call(self, fn: str, out: np.ndarray, inp: np.ndarray) -> Call:
+        return self._call(fn, f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size)
+
+    def _reduce_scatter_tensor_call(self, fn: str, out: np.ndarray, inp: np.ndarray, op: Any) -> Call:
+        r = _op_name(op)
+        return self._call(fn, f"{_arr(inp)} -> {_arr(out)} op={r}", reduce=r, dtype=inp.dtype.name, size=inp.size)
+
+    def _all_to_all_single_call(self, fn: str, out: np.ndarray, inp: np.ndarray, out_counts: Any,
+                                in_counts: Any) -> Call:  # fmt: skip
+        n = self.inner.size
+        sent = list(in_counts) if in_counts is not None else [inp.size // n] * n
+        room = list(out_counts) if out_counts is not None else [out.size // n] * n
+        return self._call(fn, f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size,
+                          sizes=sent, other=room)  # fmt: skip
+
     # -- collectives -------------------------------------------------------------------
     def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Any:
-        call = self._call(
-            "broadcast", f"{_arr(buf)} src={self.pg.ranks[root]}", root=root, dtype=buf.dtype.name, size=buf.size
-        )
+        call = self._broadcast_call("broadcast", buf, root)
         return self._run(call, buf.nbytes, lambda: self.inner.broadcast(buf, backs, root, async_op))
 
     def all_reduce(self, buf: np.ndarray, backs: Any, op: Any, async_op: bool) -> Any:
-        r = _op_name(op)
-        call = self._call("all_reduce", f"{_arr(buf)} op={r}", reduce=r, dtype=buf.dtype.name, size=buf.size)
+        call = self._all_reduce_call("all_reduce", buf, op)
         return self._run(call, buf.nbytes, lambda: self.inner.all_reduce(buf, backs, op, async_op))
 
     def reduce(self, buf: np.ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Any:
-        r = _op_name(op)
-        call = self._call(
-            "reduce",
-            f"{_arr(buf)} op={r} dst={self.pg.ranks[root]}",
-            root=root,
-            reduce=r,
-            dtype=buf.dtype.name,
-            size=buf.size,
-        )
+        call = self._reduce_call("reduce", buf, op, root)
         return self._run(call, buf.nbytes, lambda: self.inner.reduce(buf, backs, op, root, async_op))
 
     def all_gather(self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool) -> Any:
@@ -317,7 +339,7 @@ class DebugBackend(WrapperBackend):
         return self._run(call, inp.nbytes, lambda: self.inner.all_gather(outs, backs, inp, async_op))
 
     def all_gather_into_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool) -> Any:
-        call = self._call("all_gather_into_tensor", f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size)
+        call = self._all_gather_into_tensor_call("all_gather_into_tensor", out, inp)
         return self._run(call, inp.nbytes, lambda: self.inner.all_gather_into_tensor(out, backs, inp, async_op))
 
     def gather(self, inp: np.ndarray, outs: Any, backs: Any, root: int, async_op: bool) -> Any:
@@ -351,18 +373,12 @@ class DebugBackend(WrapperBackend):
         return self._run(call, out.nbytes, lambda: self.inner.reduce_scatter(out, backs, ins, op, async_op))
 
     def reduce_scatter_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, op: Any, async_op: bool) -> Any:
-        r = _op_name(op)
-        call = self._call("reduce_scatter_tensor", f"{_arr(inp)} -> {_arr(out)} op={r}", reduce=r,
-                          dtype=inp.dtype.name, size=inp.size)  # fmt: skip
+        call = self._reduce_scatter_tensor_call("reduce_scatter_tensor", out, inp, op)
         return self._run(call, inp.nbytes, lambda: self.inner.reduce_scatter_tensor(out, backs, inp, op, async_op))
 
     def all_to_all_single(self, out: np.ndarray, backs: Any, inp: np.ndarray, out_counts: Any, in_counts: Any,
                           async_op: bool) -> Any:  # fmt: skip
-        n = self.inner.size
-        sent = list(in_counts) if in_counts is not None else [inp.size // n] * n
-        room = list(out_counts) if out_counts is not None else [out.size // n] * n
-        call = self._call("all_to_all_single", f"{_arr(inp)} -> {_arr(out)}", dtype=inp.dtype.name, size=inp.size,
-                          sizes=sent, other=room)  # fmt: skip
+        call = self._all_to_all_single_call("all_to_all_single", out, inp, out_counts, in_counts)
         return self._run(
             call, inp.nbytes, lambda: self.inner.all_to_all_single(out, backs, inp, out_counts, in_counts, async_op)
         )
@@ -376,6 +392,60 @@ class DebugBackend(WrapperBackend):
     def barrier(self, async_op: bool) -> Any:
         return self._run(self._call("barrier", ""), 0, lambda: self.inner.barrier(async_op))
 
+    # -- persistent operations: creation checked like a call; starts traced and checked ----------
+    def _create(self, call: Call, nbytes: int, make: Callable[[], PersistentPlan]) -> PersistentPlan:
+        """Check (DETAIL) and log (INFO) the creation of a persistent collective; label the plan for its starts."""
+        plan = self._run(call, nbytes, make, " (persistent, created)")
+        plan.debug, plan.text, plan.nbytes = self, call.text, nbytes
+        return plan
+
+    def start_persistent(self, plan: PersistentPlan, go: Callable[[], Any]) -> None:
+        """Run ``go()``, one start of ``plan``, while the debug level is above OFF: logged at INFO; at DETAIL the
+        ranks first compare what they start (collectives only: a send and its receive legitimately differ)."""
+        if plan.p2p:
+            self._trace(f"start of {plan.text} (p2p#{plan.seq})", plan.nbytes, go, " (started)")
+            return
+        self._run(Call(f"start of {plan.op}", plan.seq, f"start of {plan.text}"), plan.nbytes, go, " (started)")
+
+    def broadcast_init(self, buf: np.ndarray, backs: Any, root: int) -> PersistentPlan:
+        call = self._broadcast_call("broadcast_init", buf, root)
+        return self._create(call, buf.nbytes, lambda: self.inner.broadcast_init(buf, backs, root))
+
+    def all_reduce_init(self, buf: np.ndarray, backs: Any, op: Any) -> PersistentPlan:
+        call = self._all_reduce_call("all_reduce_init", buf, op)
+        return self._create(call, buf.nbytes, lambda: self.inner.all_reduce_init(buf, backs, op))
+
+    def reduce_init(self, buf: np.ndarray, backs: Any, op: Any, root: int) -> PersistentPlan:
+        call = self._reduce_call("reduce_init", buf, op, root)
+        return self._create(call, buf.nbytes, lambda: self.inner.reduce_init(buf, backs, op, root))
+
+    def all_gather_into_tensor_init(self, out: np.ndarray, backs: Any, inp: np.ndarray) -> PersistentPlan:
+        call = self._all_gather_into_tensor_call("all_gather_into_tensor_init", out, inp)
+        return self._create(call, inp.nbytes, lambda: self.inner.all_gather_into_tensor_init(out, backs, inp))
+
+    def reduce_scatter_tensor_init(self, out: np.ndarray, backs: Any, inp: np.ndarray, op: Any) -> PersistentPlan:
+        call = self._reduce_scatter_tensor_call("reduce_scatter_tensor_init", out, inp, op)
+        return self._create(call, inp.nbytes, lambda: self.inner.reduce_scatter_tensor_init(out, backs, inp, op))
+
+    def all_to_all_single_init(self, out: np.ndarray, backs: Any, inp: np.ndarray, out_counts: Any,
+                               in_counts: Any) -> PersistentPlan:  # fmt: skip
+        call = self._all_to_all_single_call("all_to_all_single_init", out, inp, out_counts, in_counts)
+        return self._create(
+            call, inp.nbytes, lambda: self.inner.all_to_all_single_init(out, backs, inp, out_counts, in_counts)
+        )
+
+    def send_init(self, buf: np.ndarray, peer: int, tag: int) -> PersistentPlan:
+        plan = self._trace_p2p("send_init", buf, peer, tag, lambda: self.inner.send_init(buf, peer, tag),
+                               " (persistent, created)")  # fmt: skip
+        plan.debug, plan.text, plan.nbytes = self, self._p2p_text("send_init", buf, peer, tag), buf.nbytes
+        return plan
+
+    def recv_init(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> PersistentPlan:
+        plan = self._trace_p2p("recv_init", buf, peer, tag, lambda: self.inner.recv_init(buf, backs, peer, tag),
+                               " (persistent, created)")  # fmt: skip
+        plan.debug, plan.text, plan.nbytes = self, self._p2p_text("recv_init", buf, peer, tag), buf.nbytes
+        return plan
+
     # -- point-to-point (traced, not checked: ranks legitimately differ) -----------------
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Any:
         return self._trace_p2p("send", buf, peer, tag, lambda: self.inner.send(buf, peer, tag))
@@ -386,13 +456,26 @@ class DebugBackend(WrapperBackend):
     def recv_blocking(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Any:
         return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv_blocking(buf, backs, peer, tag))
 
-    def _trace_p2p(self, op: str, buf: np.ndarray, peer: int | None, tag: int, start: Callable[[], Any]) -> Any:
+    def _p2p_text(self, op: str, buf: np.ndarray, peer: int | None, tag: int) -> str:
+        return f"{op} {_arr(buf)} peer={'any' if peer is None else self.pg.ranks[peer]} tag={tag}"
+
+    def _trace_p2p(self, op: str, buf: np.ndarray, peer: int | None, tag: int, start: Callable[[], Any],
+                   mode: str = " (posted)") -> Any:  # fmt: skip
         t0 = time.perf_counter()
         work = start()
         if world.debug_level >= DebugLevel.INFO:
             logger.info(
                 f"[rank {self.pg.ranks[self.inner.rank]}] {op} group={self.pg.group_name} p2p#{self.inner.p2p_calls_issued()} "
                 f"{_arr(buf)} peer={'any' if peer is None else self.pg.ranks[peer]} tag={tag} {buf.nbytes} B "
-                f"{(time.perf_counter() - t0) * 1e6:.1f} us (posted)"
+                f"{(time.perf_counter() - t0) * 1e6:.1f} us{mode}"
             )
         return work
+
+    def _trace(self, text: str, nbytes: int, start: Callable[[], Any], mode: str) -> None:
+        t0 = time.perf_counter()
+        start()
+        if world.debug_level >= DebugLevel.INFO:
+            logger.info(
+                f"[rank {self.pg.ranks[self.inner.rank]}] group={self.pg.group_name} {text} {nbytes} B "
+                f"{(time.perf_counter() - t0) * 1e6:.1f} us{mode}"
+            )
