@@ -451,7 +451,7 @@ def test_a_timed_out_call_that_completed_later_does_not_abort(tmp_path):
         LEAVES_AFTER_TIMEOUT.format(
             then="dist.barrier()",
             rank_1="time.sleep(2)\n        x = np.ones(2)\n        dist.all_reduce(x, group=g)\n"
-            '        dist.barrier()\n        print("rank 1 got", x.tolist(), flush=True)',
+            '        dist.barrier()\n        print(f"rank 1 got {x.tolist()}", flush=True)',
         ),
     )
     proc, _ = run([str(path)], tmp_path, launcher=list(mpiexec_command(2)))
