@@ -214,6 +214,22 @@ def test_no_check_prints_na(capsys, checks):
     checks.done()
 
 
+def test_raw_nonblocking_computes_the_same(tmp_path, capsys, checks):
+    """--raw nonblocking: raw mpi4py's I-calls, every collective checked, and the header and JSON say so."""
+    path = tmp_path / "bench.json"
+    cases = "all_reduce,broadcast,reduce,all_gather,reduce_scatter_tensor,all_to_all_single,gather,scatter,barrier"
+    status, out, _ = run_main([*QUICK, "-e", "64", "--raw", "nonblocking", "--check", "-c", cases,
+                               "--json", str(path)], capsys)  # fmt: skip
+    checks.equal("exit status", status, 0)
+    if dist.get_rank() == 0:
+        checks.true("header names the raw calls", "# raw mpi4py: nonblocking calls, then Test until done" in out)
+        doc = json.loads(path.read_text())
+        checks.equal("json", doc["raw"], "nonblocking")
+        checks.true("every row has a raw time", all(r["raw_s"] for r in doc["rows"]))
+        checks.true("check summary", "# check: 0 wrong elements (all results correct)" in out)
+    checks.done()
+
+
 def _has_cupy() -> bool:
     try:
         import cupy  # noqa: F401
@@ -233,6 +249,7 @@ BAD = [
     (["-n", "0"], "argument -n/--iters: must be at least 1"),
     (["--trials", "x"], "argument --trials: not an integer"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--raw", "persistent"], "argument --raw: invalid choice: 'persistent'"),
     (["-r", "99"], "argument -r/--root: must be below the number of ranks"),
 ]
 if not _has_cupy():

@@ -636,7 +636,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._ibcast([buf, e.mpi], root)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("broadcast", req, post, buf, async_op)
 
     def all_gather_into_tensor(self, out: ndarray, backs: Any, inp: ndarray, async_op: bool) -> Work | None:
@@ -653,7 +653,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._iallgather(smsg, [out, e.mpi])
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("all_gather_into_tensor", req, post, (out, smsg), async_op)
 
     def all_gather(self, outs: Sequence[ndarray], backs: Any, inp: ndarray, async_op: bool) -> Work | None:
@@ -665,7 +665,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from exc
         backs = (backs or []) + staged
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("all_gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def _own_block(self, inp: ndarray, mine: ndarray, addrs: list[int] | None, outs: Sequence[ndarray]) -> Any:
@@ -693,7 +693,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("gather", exc) from exc
         backs = (backs or []) + staged
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def scatter(
@@ -714,7 +714,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self.comm.Iscatterv(smsg, rmsg, root)
         except MPI.Exception as exc:
             raise self._fail("scatter", exc) from exc
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("scatter", req, post, (out, ins, smsg), async_op)
 
     def all_to_all_single(
@@ -740,7 +740,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("all_to_all_single", req, post, (inp, out), async_op)
 
     def all_to_all(self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool) -> Work | None:
@@ -754,7 +754,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         except MPI.Exception as exc:
             raise self._fail("all_to_all", exc) from exc
         backs = (backs or []) + staged
-        post = then_write_back(None, backs)
+        post = None if not backs else then_write_back(None, backs)
         return self._done("all_to_all", req, post, (ins, outs, smsg, rmsg), async_op)
 
     def gate(self, op: str) -> None:
@@ -842,7 +842,7 @@ class _Receive(Work):
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
         peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
     ) -> None:  # fmt: skip
-        post = then_write_back(None, backs)  # a staged array: write it back
+        post = None if not backs else then_write_back(None, backs)  # a staged array: write it back
         keep = buf if longer is None else (buf, longer)
         Work.__init__(
             self, [] if req is None else [req], post, keep, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()

@@ -7,8 +7,9 @@
     mpiexec -n 8 mpidist-bench --device cuda --backend nccl       # cupy arrays, one GPU per rank
 
 For each collective and size it prints the size S and count, then for mpidist and
-for raw mpi4py (the blocking call on a duplicate of COMM_WORLD, timed in the same
-run, batches interleaved) the time per call in microseconds, algbw = S / time and
+for raw mpi4py (the blocking call on a duplicate of COMM_WORLD, or with ``--raw
+nonblocking`` its I-variant followed by Test until done; timed in the same run,
+batches interleaved) the time per call in microseconds, algbw = S / time and
 busbw = algbw x factor in GB/s, the wrong elements found by --check, and the
 median ratio mpidist/raw. Sizes and factors follow nccl-tests: S is the per-rank
 buffer for all_reduce, broadcast and reduce; n x count (the gathered or
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .cases import CASES, DTYPES, OPS, Case, Context, Run, parse_dtype
+from .cases import CASES, DTYPES, OPS, RAW_MODES, Case, Context, Run, parse_dtype
 from .devices import DEVICES, open_device
 from .timing import Row, Table, format_bytes, time_run, write_json, write_plot
 
@@ -137,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-w", "--warmup", type=_count, default=5, help="untimed iterations before each size (default 5)")
     p.add_argument("--trials", type=_positive, default=5, help="interleaved batches of each implementation (default 5)")
+    p.add_argument(
+        "--raw", choices=RAW_MODES, default="blocking",
+        help="raw mpi4py's calls: blocking (default) or nonblocking, the I-call then Test until done "
+        "(the floor of a timeout-safe call)",
+    )  # fmt: skip
     p.add_argument("--window", type=_positive, default=64, help="messages in flight for p2p_bandwidth (default 64)")
     p.add_argument("--backend", help="init_process_group's backend (default mpi; unused if a group exists)")
     p.add_argument(
@@ -237,7 +243,8 @@ def _header(args: argparse.Namespace, meta: dict[str, Any], table: Table) -> Non
         f"{args.trials} interleaved trials{', checked' if args.check else ''}"
     )
     table.say("# time: per message, the slowest rank's batch, median over trials; algbw = S/time, GB = 1e9 bytes")
-    table.say(f"# raw mpi4py: blocking calls on a duplicate of COMM_WORLD; MPI: {mpi}; mpidist {meta['mpidist']}")
+    calls = "blocking calls" if args.raw == "blocking" else "nonblocking calls, then Test until done"
+    table.say(f"# raw mpi4py: {calls} on a duplicate of COMM_WORLD; MPI: {mpi}; mpidist {meta['mpidist']}")
 
 
 def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None) -> tuple[int, list[Row]]:
@@ -248,12 +255,15 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
     try:
         n, rank = comm.Get_size(), comm.Get_rank()
         dtype = parse_dtype(args.dtype)
-        ctx = Context(dist=dist, comm=comm, arrays=arrays, dtype=dtype, op=args.op, root=args.root, window=args.window)
+        ctx = Context(
+            dist=dist, comm=comm, arrays=arrays, dtype=dtype, op=args.op, root=args.root, window=args.window,
+            raw_mode=args.raw,
+        )  # fmt: skip
         meta: dict[str, Any] = {
             "tool": "mpidist.bench", "mpidist": __version__, "ranks": n, "backend": str(dist.get_backend()),
             "device": arrays.name, "device_detail": arrays.describe, "dtype": dtype.name, "op": args.op,
             "root": args.root, "iters": args.iters or "auto", "warmup": args.warmup, "trials": args.trials,
-            "window": args.window, "check": args.check, "mpi_library": MPI.Get_library_version().strip(),
+            "window": args.window, "raw": args.raw, "check": args.check, "mpi_library": MPI.Get_library_version().strip(),
             "timing": "seconds per message: the slowest rank's batch time / messages, median over interleaved trials",
         }  # fmt: skip
         table = Table(out or sys.stdout) if rank == 0 else None

@@ -24,7 +24,12 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CASES", "Case", "Context", "Run", "register", "OPS", "DTYPES", "parse_dtype", "raw_datatype", "raw_op"]
+__all__ = [
+    "CASES", "Case", "Context", "Run", "register", "OPS", "DTYPES", "RAW_MODES", "parse_dtype", "raw_datatype", "raw_op",
+]  # fmt: skip
+
+#: how raw mpi4py makes the calls mpidist is compared with (``--raw``; see Context.mpi)
+RAW_MODES = ("blocking", "nonblocking")
 
 #: ``--op`` choices: name -> the ReduceOp attribute
 OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG",
@@ -132,6 +137,7 @@ class Context:
     op: str  # an OPS name
     root: int
     window: int  # messages per iteration of p2p_bandwidth
+    raw_mode: str = "blocking"  # RAW_MODES: how raw mpi4py makes each call
     rank: int = field(init=False)
     size: int = field(init=False)
     reduce_op: Any = field(init=False)  # the mpidist ReduceOp
@@ -151,6 +157,25 @@ class Context:
     def buf(self, a: Any) -> list[Any]:
         """Raw mpi4py's message for array ``a``: ``[its bytes, datatype]``."""
         return [self.arrays.raw(a), self.raw_type]
+
+    def mpi(self, name: str, *args: Any) -> Callable[[], Any]:
+        """Raw mpi4py's call ``comm.<name>(*args)`` as a function of no arguments, made as ``raw_mode`` says.
+
+        ``blocking``: the call itself. ``nonblocking``: its ``I`` variant (``Iallreduce``
+        for ``Allreduce``), then ``Test`` until it completes: what a timeout-safe call
+        must do at least, the floor of mpidist's one-off calls.
+        """
+        if self.raw_mode == "blocking":
+            call = getattr(self.comm, name)
+            return lambda: call(*args)
+        start = getattr(self.comm, "I" + name.lower())
+
+        def nonblocking() -> None:
+            req = start(*args)
+            while not req.Test():
+                pass
+
+        return nonblocking
 
     def raw_missing(self, reduces: bool) -> str | None:
         """Why raw mpi4py cannot run this case here (None: it can)."""
@@ -302,11 +327,10 @@ def _spread(n: int) -> float:
 # -- the collectives ---------------------------------------------------------------------------
 def _all_reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
-    dist, op, comm, rb, mop = ctx.dist, ctx.reduce_op, ctx.comm, ctx.buf(b), ctx.raw_op
+    dist, op, rb, mop = ctx.dist, ctx.reduce_op, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
 
-    def raw() -> None:
-        comm.Allreduce(MPI.IN_PLACE, rb, mop)
+    raw = ctx.mpi("Allreduce", MPI.IN_PLACE, rb, mop)
 
     want = lambda: ctx.reduced(c)  # noqa: E731
     run = Run(
@@ -321,11 +345,11 @@ def _all_reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
 
 def _broadcast(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
-    dist, root, comm, rb = ctx.dist, ctx.root, ctx.comm, ctx.buf(b)
+    dist, root, rb = ctx.dist, ctx.root, ctx.buf(b)
     want = lambda: ctx.pattern(c, root)  # noqa: E731
     run = Run(
         mpidist=lambda: dist.broadcast(a, src=root),
-        raw=lambda: comm.Bcast(rb, root),
+        raw=ctx.mpi("Bcast", rb, root),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(a, want)], "raw": [(b, want)]},
@@ -335,17 +359,13 @@ def _broadcast(ctx: Context, c: int, persistent: bool = False) -> Run:
 
 def _reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
     a, b = ctx.empty(c), ctx.empty(c)
-    dist, op, root, comm, rb, mop = ctx.dist, ctx.reduce_op, ctx.root, ctx.comm, ctx.buf(b), ctx.raw_op
+    dist, op, root, rb, mop = ctx.dist, ctx.reduce_op, ctx.root, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
     if ctx.rank == root:
-
-        def raw() -> None:
-            comm.Reduce(MPI.IN_PLACE, rb, mop, root)
-
-        raw_call = ctx.averaged(raw, b)
+        raw_call = ctx.averaged(ctx.mpi("Reduce", MPI.IN_PLACE, rb, mop, root), b)
         want: Expected = lambda: ctx.reduced(c)  # noqa: E731
     else:
-        raw_call = lambda: comm.Reduce(rb, None, mop, root)  # noqa: E731
+        raw_call = ctx.mpi("Reduce", rb, None, mop, root)
         want = lambda: None  # noqa: E731 - undefined off the root
     run = Run(
         mpidist=lambda: dist.reduce(a, dst=root, op=op),
@@ -364,11 +384,11 @@ def _gathered(ctx: Context, c: int) -> np.ndarray:
 def _all_gather_into_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n = ctx.size
     a, out, b, raw_out = ctx.empty(c), ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n)
-    dist, comm, rb, rout = ctx.dist, ctx.comm, ctx.buf(b), ctx.buf(raw_out)
+    dist, rb, rout = ctx.dist, ctx.buf(b), ctx.buf(raw_out)
     want = lambda: _gathered(ctx, c)  # noqa: E731
     run = Run(
         mpidist=lambda: dist.all_gather_into_tensor(out, a),
-        raw=lambda: comm.Allgather(rb, rout),
+        raw=ctx.mpi("Allgather", rb, rout),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={"mpidist": [(out, want)], "raw": [(raw_out, want)]},
@@ -380,10 +400,10 @@ def _all_gather(ctx: Context, c: int) -> Run:
     """mpidist gathers into a list of n separate arrays; raw mpi4py into one contiguous buffer (Allgather)."""
     n = ctx.size
     a, outs, b, raw_out = ctx.empty(c), [ctx.empty(c) for _ in range(n)], ctx.empty(c), ctx.empty(c * n)
-    dist, comm, rb, rout = ctx.dist, ctx.comm, ctx.buf(b), ctx.buf(raw_out)
+    dist, rb, rout = ctx.dist, ctx.buf(b), ctx.buf(raw_out)
     return Run(
         mpidist=lambda: dist.all_gather(outs, a),
-        raw=lambda: comm.Allgather(rb, rout),
+        raw=ctx.mpi("Allgather", rb, rout),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c, ctx.rank)), (b, lambda: ctx.pattern(c, ctx.rank))],
         outputs={
@@ -396,11 +416,10 @@ def _all_gather(ctx: Context, c: int) -> Run:
 def _reduce_scatter_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
     a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n), ctx.empty(c)
-    dist, op, comm, rb, rout, mop = ctx.dist, ctx.reduce_op, ctx.comm, ctx.buf(b), ctx.buf(raw_out), ctx.raw_op
+    dist, op, rb, rout, mop = ctx.dist, ctx.reduce_op, ctx.buf(b), ctx.buf(raw_out), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
 
-    def raw() -> None:
-        comm.Reduce_scatter_block(rb, rout, mop)
+    raw = ctx.mpi("Reduce_scatter_block", rb, rout, mop)
 
     want = lambda: ctx.reduced(c * n)[me * c : (me + 1) * c]  # noqa: E731
     run = Run(
@@ -416,14 +435,14 @@ def _reduce_scatter_tensor(ctx: Context, c: int, persistent: bool = False) -> Ru
 def _all_to_all_single(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
     a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n)
-    dist, comm, rb, rout = ctx.dist, ctx.comm, ctx.buf(b), ctx.buf(raw_out)
+    dist, rb, rout = ctx.dist, ctx.buf(b), ctx.buf(raw_out)
 
     def want() -> np.ndarray:
         return np.concatenate([ctx.pattern(c * n, r)[me * c : (me + 1) * c] for r in range(n)])
 
     run = Run(
         mpidist=lambda: dist.all_to_all_single(out, a),
-        raw=lambda: comm.Alltoall(rb, rout),
+        raw=ctx.mpi("Alltoall", rb, rout),
         raw_missing=ctx.raw_missing(reduces=False),
         inputs=[(a, lambda: ctx.pattern(c * n, me)), (b, lambda: ctx.pattern(c * n, me))],
         outputs={"mpidist": [(out, want)], "raw": [(raw_out, want)]},
@@ -435,20 +454,20 @@ def _gather(ctx: Context, c: int) -> Run:
     """mpidist gathers into a list of n arrays on the root; raw mpi4py into one buffer (Gather)."""
     n, me, root = ctx.size, ctx.rank, ctx.root
     a, b = ctx.empty(c), ctx.empty(c)
-    dist, comm, rb = ctx.dist, ctx.comm, ctx.buf(b)
+    dist, rb = ctx.dist, ctx.buf(b)
     outputs: dict[str, list[tuple[Any, Expected]]] = {"mpidist": [], "raw": []}
     if me == root:
         outs, raw_out = [ctx.empty(c) for _ in range(n)], ctx.empty(c * n)
         rout = ctx.buf(raw_out)
         mpidist_call = lambda: dist.gather(a, outs, dst=root)  # noqa: E731
-        raw_call = lambda: comm.Gather(rb, rout, root)  # noqa: E731
+        raw_call = ctx.mpi("Gather", rb, rout, root)
         outputs = {
             "mpidist": [(o, lambda r=r: ctx.pattern(c, r)) for r, o in enumerate(outs)],
             "raw": [(raw_out, lambda: _gathered(ctx, c))],
         }
     else:
         mpidist_call = lambda: dist.gather(a, None, dst=root)  # noqa: E731
-        raw_call = lambda: comm.Gather(rb, None, root)  # noqa: E731
+        raw_call = ctx.mpi("Gather", rb, None, root)
     return Run(
         mpidist=mpidist_call,
         raw=raw_call,
@@ -462,18 +481,18 @@ def _scatter(ctx: Context, c: int) -> Run:
     """mpidist scatters from a list of n arrays on the root; raw mpi4py from one buffer (Scatter)."""
     n, me, root = ctx.size, ctx.rank, ctx.root
     out, raw_out = ctx.empty(c), ctx.empty(c)
-    dist, comm, rout = ctx.dist, ctx.comm, ctx.buf(raw_out)
+    dist, rout = ctx.dist, ctx.buf(raw_out)
     inputs: list[tuple[Any, Callable[[], np.ndarray]]] = []
     if me == root:
         ins, b = [ctx.empty(c) for _ in range(n)], ctx.empty(c * n)
         rb = ctx.buf(b)
         mpidist_call = lambda: dist.scatter(out, ins, src=root)  # noqa: E731
-        raw_call = lambda: comm.Scatter(rb, rout, root)  # noqa: E731
+        raw_call = ctx.mpi("Scatter", rb, rout, root)
         inputs = [(x, lambda r=r: ctx.pattern(c * n, root)[r * c : (r + 1) * c]) for r, x in enumerate(ins)]
         inputs.append((b, lambda: ctx.pattern(c * n, root)))
     else:
         mpidist_call = lambda: dist.scatter(out, None, src=root)  # noqa: E731
-        raw_call = lambda: comm.Scatter(None, rout, root)  # noqa: E731
+        raw_call = ctx.mpi("Scatter", None, rout, root)
     want = lambda: ctx.pattern(c * n, root)[me * c : (me + 1) * c]  # noqa: E731
     return Run(
         mpidist=mpidist_call,
@@ -485,8 +504,8 @@ def _scatter(ctx: Context, c: int) -> Run:
 
 
 def _barrier(ctx: Context, c: int) -> Run:
-    dist, comm = ctx.dist, ctx.comm
-    return Run(mpidist=lambda: dist.barrier(), raw=lambda: comm.Barrier(), raw_missing=None)
+    dist = ctx.dist
+    return Run(mpidist=lambda: dist.barrier(), raw=ctx.mpi("Barrier"), raw_missing=None)
 
 
 def _noop() -> None:
