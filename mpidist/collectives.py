@@ -504,7 +504,8 @@ def barrier(
 ) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
-    ``timeout`` (timedelta or seconds) overrides the group's timeout for this call.
+    ``timeout`` (timedelta or seconds) overrides the group's timeout for this call;
+    with ``async_op=True`` it bounds a ``Work.wait()`` given no timeout of its own.
     ``device_ids`` is accepted for torch compatibility.
     """
     fn = "barrier"
@@ -513,13 +514,15 @@ def barrier(
         return absent(group, fn)
     if device_ids is not None and not isinstance(device_ids, (list, tuple)):
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
-    if async_op or timeout is None:
+    if timeout is None:
         return pg.barrier(async_op)
     limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())  # checked before anything is posted
     w = pg.barrier(True)
     if w is not None:
-        w.wait(limit)
-    return None
+        w.default_timeout(limit)
+        if not async_op:
+            w.wait()
+    return w if async_op else None
 
 
 def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool, devices: list[Any]) -> list[np.ndarray]:
