@@ -194,3 +194,64 @@ def test_a_receive_from_this_rank_itself_raises_at_once_and_posts_nothing(fresh,
     c.true("a receive is left pending", not fresh.control.pending() and not backend_of(fresh).pending())
     _sum_ok(c, fresh)
     c.done()
+
+
+# -- a fuzz of arguments: wrong kinds refused before anything is posted -------------------------------
+
+
+def _calls() -> dict:
+    """The arguments (but the group) of a correct call of every collective that takes ``async_op``, by name."""
+    n, k = SIZE, 3
+
+    def t():
+        return np.full(k, RANK + 1.0)
+
+    return {
+        "broadcast": dict(tensor=t(), src=0),
+        "all_reduce": dict(tensor=t()),
+        "reduce": dict(tensor=t(), dst=0),
+        "all_gather": dict(tensor_list=[np.zeros(k) for _ in range(n)], tensor=t()),
+        "all_gather_into_tensor": dict(output_tensor=np.zeros(n * k), input_tensor=t()),
+        "gather": dict(tensor=t(), gather_list=[np.zeros(k) for _ in range(n)] if RANK == 0 else None, dst=0),
+        "scatter": dict(tensor=np.zeros(k), scatter_list=[t() for _ in range(n)] if RANK == 0 else None, src=0),
+        "reduce_scatter": dict(output=np.zeros(k), input_list=[t() for _ in range(n)]),
+        "reduce_scatter_tensor": dict(output=np.zeros(k), input=np.ones(n * k)),
+        "all_to_all_single": dict(output=np.zeros(n * k), input=np.ones(n * k)),
+        "all_to_all": dict(
+            output_tensor_list=[np.zeros(k) for _ in range(n)], input_tensor_list=[t() for _ in range(n)]
+        ),
+        "barrier": {},
+        "all_reduce_coalesced": dict(tensors=[t(), t()]),
+        "all_gather_coalesced": dict(output_tensor_lists=[[np.zeros(k)] for _ in range(n)], input_tensor_list=[t()]),
+    }
+
+
+COLLECTIVES = list(_calls())
+
+
+@pytest.mark.parametrize("fn", COLLECTIVES)
+def test_async_op_that_is_not_a_bool_is_refused_before_anything_is_posted(fresh, fn):
+    """Before: async_op=np.array([...]) raised numpy's "truth value is ambiguous" after the call was posted, and
+    the lost Work's buffers were freed while MPI wrote into them (heap corruption, then a crash); async_op="x"
+    or nan counted as True. numpy's bool is a bool."""
+    c = Checks()
+    for bad in ("x", float("nan"), np.zeros(3, dtype=object), 1):
+        before = calls_issued(fresh)
+        c.raises(TypeError, f"^{fn}: async_op must be a bool, got {type(bad).__name__}$", getattr(dist, fn),
+                 group=fresh, async_op=bad, **_calls()[fn])  # fmt: skip
+        c.equal(f"calls issued by the refused {fn}(async_op={bad!r})", calls_issued(fresh) - before, 0)
+    w = getattr(dist, fn)(group=fresh, async_op=np.bool_(True), **_calls()[fn])
+    c.true("async_op=numpy.True_ gives a Work", w is not None and w.wait())
+    _sum_ok(c, fresh)
+    c.done()
+
+
+@pytest.mark.parametrize("fn", ["broadcast", "reduce", "broadcast_object_list"])
+def test_a_root_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
+    """Before: numpy's "only integer scalar arrays can be converted to a scalar index", naming no function."""
+    c = Checks()
+    arg, first = ("dst", np.zeros(2)) if fn == "reduce" else ("src", [1] if fn.endswith("list") else np.zeros(2))
+    c.raises(TypeError, f"^{fn}: {arg} must be an int rank, got ndarray$", getattr(dist, fn), first,
+             group=fresh, **{arg: np.zeros(3, dtype=object)})  # fmt: skip
+    _sum_ok(c, fresh)
+    c.done()
