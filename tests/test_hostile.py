@@ -8,8 +8,12 @@ so a failure cannot block later tests, and problems are decided together.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +23,11 @@ import mpidist as dist
 from mpidist import DistBackendError
 from mpidist.testing import backend_of, calls_issued
 
-from helpers import Checks, check_raises
+from helpers import Checks, check_raises, clean_env, mpiexec_command
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -254,4 +259,50 @@ def test_a_root_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
     c.raises(TypeError, f"^{fn}: {arg} must be an int rank, got ndarray$", getattr(dist, fn), first,
              group=fresh, **{arg: np.zeros(3, dtype=object)})  # fmt: skip
     _sum_ok(c, fresh)
+    c.done()
+
+
+# -- a posted receive of a message that is not a whole number of its elements ------------------------
+
+RAGGED_IRECV = """\
+import numpy as np
+import mpidist as dist
+
+dist.init_process_group(timeout=20)
+if dist.get_rank() == 0:
+    dist.isend(np.zeros(3, np.float32), dst=1).wait()  # 12 bytes
+else:
+    out = np.full(3, -1.0)
+    try:
+        dist.irecv(out, src=0).wait()  # 3 float64: 12 bytes are 1.5 elements
+        print("RESULT received", out.tolist(), flush=True)
+    except ValueError as exc:
+        print("RESULT ValueError", exc, flush=True)
+dist.barrier()
+"""
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "mpiexec").exists(), reason="no mpiexec next to the interpreter")
+def test_irecv_of_a_message_that_is_not_whole_elements_raises_or_ends_the_job(tmp_path):
+    """docs/sharp-bits.md: a blocking recv raises ValueError, but a posted irecv of 12 bytes into float64 is
+    unpacked by MPI itself, and MPICH then fails an assertion and aborts the job. Run in a job of its own
+    (rank 0 of this one): the job ends with a ValueError or an abort, never a hang or a silent success."""
+    c = Checks()
+    if RANK == 0:
+        script = tmp_path / "ragged.py"
+        script.write_text(RAGGED_IRECV)
+        env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        try:
+            proc = subprocess.run([*mpiexec_command(2), sys.executable, str(script)], env=env, capture_output=True,
+                                  text=True, timeout=60)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            c.failures.append("the job did not end within 60 s")
+        else:
+            out = proc.stdout + proc.stderr
+            if "RESULT received" in out:
+                c.failures.append(f"the irecv succeeded: {out[-2000:]}")
+            elif "RESULT ValueError" in out:
+                c.true(f"exit {proc.returncode} after the ValueError", proc.returncode == 0)
+            else:
+                c.true(f"the job ended with exit 0 without a result: {out[-2000:]}", proc.returncode != 0)
     c.done()
