@@ -262,6 +262,17 @@ def test_a_root_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
     c.done()
 
 
+@pytest.mark.parametrize("fn", ["isend", "irecv"])  # send and recv check the tag alike, after self (n = 1)
+def test_a_tag_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
+    """Before: numpy's "only integer scalar arrays can be converted to a scalar index", naming no function."""
+    c = Checks()
+    peer = {"dst": (RANK + 1) % SIZE} if fn.endswith("send") else {"src": (RANK - 1) % SIZE}
+    c.raises(TypeError, f"^{fn}: tag must be an int, got ndarray$", getattr(dist, fn), np.zeros(2), group=fresh,
+             tag=np.zeros(3, dtype=object), **peer)  # fmt: skip
+    _sum_ok(c, fresh)
+    c.done()
+
+
 # -- a posted receive of a message that is not a whole number of its elements ------------------------
 
 RAGGED_IRECV = """\
