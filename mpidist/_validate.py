@@ -17,7 +17,9 @@ import os
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["int_arg", "timeout_seconds", "timeout_arg", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
+import numpy as np
+
+__all__ = ["int_arg", "bool_arg", "timeout_seconds", "timeout_arg", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
 
 #: the words an environment flag may take (any case, surrounding blanks ignored); unset or empty: the default
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -28,10 +30,27 @@ def int_arg(value: Any, fn: str, arg: str, minimum: int = 0, expected: str = "a 
     """``value`` as an int (bools refused) of at least ``minimum``; ``expected`` words the range in messages."""
     if isinstance(value, bool) or type(value).__name__ == "bool_" or not hasattr(value, "__index__"):
         raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
-    value = operator.index(value)
+    try:
+        value = operator.index(value)
+    except TypeError:  # an array of more than one element has __index__, which refuses
+        raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}") from None
     if value < minimum:
         raise ValueError(f"{fn}: {arg} must be {expected}, got {value}")
     return value
+
+
+def bool_arg(value: Any, fn: str, arg: str) -> bool:
+    """``value`` as a bool: True or False (numpy's bool too); anything else is a TypeError.
+
+    Checked before a call posts anything: ``async_op=np.array(...)`` once raised numpy's
+    "truth value is ambiguous" after the operation was posted, losing its Work while MPI
+    still wrote into its buffers.
+    """
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{fn}: {arg} must be a bool, got {type(value).__name__}")
 
 
 def timeout_seconds(timeout: Any, fn: str, default: float) -> float:

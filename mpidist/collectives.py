@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._validate import timeout_seconds
+from ._validate import bool_arg, timeout_seconds
 from ._world import world
 from .arrays.host import (
     DTYPES,
@@ -127,6 +127,8 @@ def broadcast(
         >>> dist.broadcast(x, src=0)        # x == [0., 1., 2.] everywhere
     """
     fn = "broadcast"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -155,6 +157,8 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()   # [1, 2] and [3, 4]
         >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)      # x == [4, 6] everywhere
     """
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, "all_reduce", "async_op")
     pg = world.default_pg if group is None else resolve_group(group, "all_reduce")
     if pg is None:
         return absent(group, "all_reduce")
@@ -178,6 +182,8 @@ def reduce(
     Other ranks' ``tensor`` is left unchanged.
     """
     fn = "reduce"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -204,6 +210,8 @@ def all_gather(
     rank ``i``'s size. They are written in place, without an intermediate buffer.
     """
     fn = "all_gather"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -232,6 +240,8 @@ def all_gather_into_tensor(
         >>> out                                   # [1, 2, 3, 4] on both ranks
     """
     fn = "all_gather_into_tensor"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -306,6 +316,8 @@ def gather(
     ``gather_list`` is required on ``dst`` and must be None (or empty) elsewhere.
     """
     fn = "gather"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -331,6 +343,8 @@ def scatter(
     ``scatter_list`` is required on ``src`` and must be None (or empty) elsewhere.
     """
     fn = "scatter"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -349,6 +363,8 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``."""
     fn = "reduce_scatter"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -375,6 +391,8 @@ def reduce_scatter_tensor(
         >>> dist.reduce_scatter_tensor(out, np.arange(4))   # [0, 2] on rank 0, [4, 6] on rank 1
     """
     fn = "reduce_scatter_tensor"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -452,6 +470,8 @@ def all_to_all_single(
     may have any trailing shape (the same for input and output).
     """
     fn = "all_to_all_single"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -480,6 +500,8 @@ def all_to_all(
     Arrays may have any (uneven) sizes as long as each pair of ranks agrees.
     """
     fn = "all_to_all"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -504,22 +526,27 @@ def barrier(
 ) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
-    ``timeout`` (timedelta or seconds) overrides the group's timeout for this call.
+    ``timeout`` (timedelta or seconds) overrides the group's timeout for this call;
+    with ``async_op=True`` it bounds a ``Work.wait()`` given no timeout of its own.
     ``device_ids`` is accepted for torch compatibility.
     """
     fn = "barrier"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
     if device_ids is not None and not isinstance(device_ids, (list, tuple)):
         raise TypeError(f"{fn}: device_ids must be a list of ints or None, got {type(device_ids).__name__}")
-    if async_op or timeout is None:
+    if timeout is None:
         return pg.barrier(async_op)
     limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())  # checked before anything is posted
     w = pg.barrier(True)
     if w is not None:
-        w.wait(limit)
-    return None
+        w.default_timeout(limit)
+        if not async_op:
+            w.wait()
+    return w if async_op else None
 
 
 def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool, devices: list[Any]) -> list[np.ndarray]:
@@ -549,6 +576,8 @@ def all_reduce_coalesced(
 ) -> Work | None:
     """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer)."""
     fn = "all_reduce_coalesced"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
@@ -579,6 +608,8 @@ def all_gather_coalesced(
     ``output_tensor_lists[r][i]`` receives rank ``r``'s ``input_tensor_list[i]``.
     """
     fn = "all_gather_coalesced"
+    if async_op.__class__ is not bool:  # before anything is posted
+        async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)

@@ -10,9 +10,9 @@ rank and returns the sender's global rank.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
+from ._validate import int_arg
 from ._world import world
 from .arrays.host import prepare_input, prepare_output
 from .collectives import root_rank
@@ -27,9 +27,7 @@ _SRC = ("src", "group_src")
 
 def tag_value(tag: Any, fn: str) -> int:
     """Return ``tag`` as an int within MPI's range, or raise TypeError/ValueError naming ``fn``."""
-    if isinstance(tag, bool) or not hasattr(tag, "__index__"):
-        raise TypeError(f"{fn}: tag must be an int, got {type(tag).__name__}")
-    t = operator.index(tag)
+    t = int_arg(tag, fn, "tag", minimum=-(1 << 64))  # the type rule; the range is MPI's, checked here
     upper = world.init_info.tag_ub
     if not 0 <= t <= upper:
         raise ValueError(f"{fn}: tag must be between 0 and {upper} (MPI_TAG_UB of this MPI library), got {t}")

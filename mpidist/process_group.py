@@ -413,7 +413,10 @@ def rank_int(rank: Any, fn: str, arg: str) -> int:
     """Return ``rank`` as an int (numpy integers accepted), or raise TypeError."""
     if isinstance(rank, bool) or not hasattr(rank, "__index__"):
         raise TypeError(f"{fn}: {arg} must be an int rank, got {type(rank).__name__}")
-    return operator.index(rank)
+    try:
+        return operator.index(rank)
+    except TypeError:  # an array of more than one element has __index__, which refuses
+        raise TypeError(f"{fn}: {arg} must be an int rank, got {type(rank).__name__}") from None
 
 
 class _NonGroupMember:

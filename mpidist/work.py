@@ -237,11 +237,19 @@ class Work:
                 self._complete()
         return self._done
 
+    def default_timeout(self, timeout_s: float) -> None:
+        """Make ``timeout_s`` (seconds, already checked) the limit of a ``wait()`` given no timeout of its own.
+
+        ``barrier(timeout=..., async_op=True)`` sets it on the Work it returns.
+        """
+        self._timeout = timeout_s
+
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation completes; return True.
 
-        ``timeout`` (timedelta or seconds; None or 0 means the group's timeout)
-        bounds the wait: past it a ``DistBackendError`` is raised.
+        ``timeout`` (timedelta or seconds; None or 0 means the group's timeout, or
+        the one given to ``barrier``) bounds the wait: past it a ``DistBackendError``
+        is raised.
         """
         if not self._done:
             limit = timeout_seconds(timeout, "Work.wait", self._timeout)
