@@ -40,7 +40,7 @@ def int_arg(value: Any, fn: str, arg: str, minimum: int = 0, expected: str = "a 
 
 
 def bool_arg(value: Any, fn: str, arg: str) -> bool:
-    """``value`` as a bool: True or False (numpy's bool too); anything else is a TypeError.
+    """``value`` as a bool: a bool (numpy's too) or an int, whose truth torch would take; anything else is a TypeError.
 
     Checked before a call posts anything: ``async_op=np.array(...)`` once raised numpy's
     "truth value is ambiguous" after the operation was posted, losing its Work while MPI
@@ -48,7 +48,7 @@ def bool_arg(value: Any, fn: str, arg: str) -> bool:
     """
     if value is True or value is False:
         return value
-    if isinstance(value, np.bool_):
+    if isinstance(value, np.bool_) or (isinstance(value, int) and type(value) is not bool):
         return bool(value)
     raise TypeError(f"{fn}: {arg} must be a bool, got {type(value).__name__}")
 

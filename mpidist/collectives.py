@@ -127,7 +127,7 @@ def broadcast(
         >>> dist.broadcast(x, src=0)        # x == [0., 1., 2.] everywhere
     """
     fn = "broadcast"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -157,7 +157,7 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()   # [1, 2] and [3, 4]
         >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)      # x == [4, 6] everywhere
     """
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, "all_reduce", "async_op")
     pg = world.default_pg if group is None else resolve_group(group, "all_reduce")
     if pg is None:
@@ -182,7 +182,7 @@ def reduce(
     Other ranks' ``tensor`` is left unchanged.
     """
     fn = "reduce"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -210,7 +210,7 @@ def all_gather(
     rank ``i``'s size. They are written in place, without an intermediate buffer.
     """
     fn = "all_gather"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -240,7 +240,7 @@ def all_gather_into_tensor(
         >>> out                                   # [1, 2, 3, 4] on both ranks
     """
     fn = "all_gather_into_tensor"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -316,7 +316,7 @@ def gather(
     ``gather_list`` is required on ``dst`` and must be None (or empty) elsewhere.
     """
     fn = "gather"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -343,7 +343,7 @@ def scatter(
     ``scatter_list`` is required on ``src`` and must be None (or empty) elsewhere.
     """
     fn = "scatter"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -363,7 +363,7 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``."""
     fn = "reduce_scatter"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -391,7 +391,7 @@ def reduce_scatter_tensor(
         >>> dist.reduce_scatter_tensor(out, np.arange(4))   # [0, 2] on rank 0, [4, 6] on rank 1
     """
     fn = "reduce_scatter_tensor"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -470,7 +470,7 @@ def all_to_all_single(
     may have any trailing shape (the same for input and output).
     """
     fn = "all_to_all_single"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -500,7 +500,7 @@ def all_to_all(
     Arrays may have any (uneven) sizes as long as each pair of ranks agrees.
     """
     fn = "all_to_all"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -531,7 +531,7 @@ def barrier(
     ``device_ids`` is accepted for torch compatibility.
     """
     fn = "barrier"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -576,7 +576,7 @@ def all_reduce_coalesced(
 ) -> Work | None:
     """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer)."""
     fn = "all_reduce_coalesced"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -608,7 +608,7 @@ def all_gather_coalesced(
     ``output_tensor_lists[r][i]`` receives rank ``r``'s ``input_tensor_list[i]``.
     """
     fn = "all_gather_coalesced"
-    if async_op.__class__ is not bool:  # before anything is posted
+    if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:

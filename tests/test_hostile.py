@@ -238,15 +238,18 @@ COLLECTIVES = list(_calls())
 def test_async_op_that_is_not_a_bool_is_refused_before_anything_is_posted(fresh, fn):
     """Before: async_op=np.array([...]) raised numpy's "truth value is ambiguous" after the call was posted, and
     the lost Work's buffers were freed while MPI wrote into them (heap corruption, then a crash); async_op="x"
-    or nan counted as True. numpy's bool is a bool."""
+    or nan counted as True. numpy's bool is a bool, and an int counts by its truth (torch takes 1 and 0)."""
     c = Checks()
-    for bad in ("x", float("nan"), np.zeros(3, dtype=object), 1):
+    for bad in ("x", float("nan"), np.zeros(3, dtype=object), None, 1.0):
         before = calls_issued(fresh)
         c.raises(TypeError, f"^{fn}: async_op must be a bool, got {type(bad).__name__}$", getattr(dist, fn),
                  group=fresh, async_op=bad, **_calls()[fn])  # fmt: skip
         c.equal(f"calls issued by the refused {fn}(async_op={bad!r})", calls_issued(fresh) - before, 0)
     w = getattr(dist, fn)(group=fresh, async_op=np.bool_(True), **_calls()[fn])
     c.true("async_op=numpy.True_ gives a Work", w is not None and w.wait())
+    w = getattr(dist, fn)(group=fresh, async_op=1, **_calls()[fn])
+    c.true("async_op=1 gives a Work", w is not None and w.wait())
+    c.true("async_op=0 waits and returns None", getattr(dist, fn)(group=fresh, async_op=0, **_calls()[fn]) is None)
     _sum_ok(c, fresh)
     c.done()
 
