@@ -42,7 +42,7 @@ from ..reduce_op import (
 )  # fmt: skip
 from ..work import Work, poll
 from .base import BaseBackend
-from .mpi_persistent import MPIPersistent, receive_size_error
+from .mpi_persistent import MPIPersistent, arrived, posted_receive, receive_size_error
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -798,11 +798,12 @@ class MPIBackend(MPIPersistent, BaseBackend):
             # receive into one element more, so that a longer message shows (copied on completion)
             target = np.empty(buf.size + 1, buf.dtype)
             world.stats.count_copy(buf.nbytes)
+        message, as_bytes = posted_receive(target, e.mpi)
         try:
-            req = self.comm.Irecv([target, e.mpi], ANY_SOURCE if peer is None else peer, tag)
+            req = self.comm.Irecv(message, ANY_SOURCE if peer is None else peer, tag)
         except MPI.Exception as exc:
             raise self.backend_error("recv", self.p2p_seq, exc) from exc
-        return _Receive(req, buf, e, backs, self, peer, None, None if target is buf else target)
+        return _Receive(req, buf, e, backs, self, peer, None, None if target is buf else target, as_bytes)
 
     def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Match the message with a probe first, then receive it (see :class:`_Receive`)."""
@@ -836,11 +837,12 @@ class _Receive(Work):
     collective does.
     """
 
-    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer")
+    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer", "_as_bytes")
 
     def __init__(
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: MPIBackend,
         peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
+        as_bytes: bool = False,
     ) -> None:  # fmt: skip
         post = None if not backs else then_write_back(None, backs)  # a staged array: write it back
         keep = buf if longer is None else (buf, longer)
@@ -850,6 +852,7 @@ class _Receive(Work):
         # a posted receive from this rank to itself on a library that truncates those silently:
         # the message lands in this array of one element more, and is copied into buf
         self._longer = longer
+        self._as_bytes = as_bytes  # posted as bytes (mpi_persistent.posted_receive)
         self._buf = buf
         self._entry = e
         self._peer = peer  # group rank, or None: any
@@ -896,12 +899,13 @@ class _Receive(Work):
         """Fail with a ValueError if a message of another size arrived; else finish as any Work."""
         if self._done:
             return
-        got = self._arrived
+        got, longer_message = self._arrived, False
         if got is None:  # a posted receive: the status tells (Open MPI reports a longer message there)
             status = self._status
-            got = -3 if status.Get_error() == ERR_TRUNCATE else status.Get_count(self._entry.mpi)
+            longer_message = status.Get_error() == ERR_TRUNCATE
+            got = -3 if longer_message else arrived(status, self._entry.mpi, self._buf.itemsize, self._as_bytes)
         longer = self._longer
-        if longer is not None and got != MPI.UNDEFINED:
+        if longer is not None and (got >= 0 or longer_message):  # not when the message was not whole elements
             size = self._buf.size
             if got > size:
                 got = -3

@@ -40,7 +40,7 @@ from ..reduce_op import RedOpType
 from ..work import poll
 from .base import PersistentPlan
 
-__all__ = ["MPIPersistent", "available", "receive_size_error"]
+__all__ = ["MPIPersistent", "available", "receive_size_error", "posted_receive", "arrived"]
 
 IN_PLACE = MPI.IN_PLACE
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -122,6 +122,34 @@ def _separate(inp: ndarray) -> tuple[ndarray, Callable[[], None]]:
 
 def _address(a: ndarray) -> int:
     return MPI.buffer(a).address
+
+
+#: a posted receive of this many bytes or fewer posts bytes, not elements (see posted_receive)
+_BYTES_RECEIVE_LIMIT = 2**63 - 1 if MPI.Get_version() >= (4, 0) else 2**31 - 1
+
+
+def posted_receive(buf: Any, mpi_type: MPI.Datatype) -> tuple[list[Any], bool]:
+    """The message a receive posted into ``buf`` gives MPI: ``(message, as bytes)``.
+
+    A message that is not a whole number of the receive's elements (12 bytes of
+    float32 into float64) makes MPICH 5 fail an assertion while it unpacks it and
+    abort the whole job. Posted as bytes, the message arrives as it is and
+    :func:`arrived` finds it was not whole elements, for the ValueError every other
+    size mismatch raises. On an MPI-3 library (32-bit counts: Open MPI 5) a receive
+    of 2 GiB or more keeps its element type, so that its limit stays 2**31 elements.
+    """
+    if buf.nbytes <= _BYTES_RECEIVE_LIMIT:
+        return [buf, MPI.BYTE], True
+    return [buf, mpi_type], False
+
+
+def arrived(status: MPI.Status, mpi_type: MPI.Datatype, itemsize: int, as_bytes: bool) -> int:
+    """The elements a completed receive got, or ``-2 - bytes`` when the message was not whole elements."""
+    if as_bytes:
+        nbytes = status.Get_count(MPI.BYTE)
+        return nbytes // itemsize if nbytes % itemsize == 0 else -2 - nbytes
+    got = status.Get_count(mpi_type)
+    return -2 - status.Get_count(MPI.BYTE) if got == MPI.UNDEFINED else got
 
 
 def receive_size_error(size: int, name: str, source: int, got: int) -> ValueError:
@@ -338,7 +366,8 @@ class MPIPersistent:
         self.p2p_seq += 1
         e = self._entry(buf, "recv_init")
         source = ANY_SOURCE if peer is None else peer
-        req = self._make("recv_init", self.p2p_seq, lambda: self.comm.Recv_init([buf, e.mpi], source, tag))
+        message, as_bytes = posted_receive(buf, e.mpi)
+        req = self._make("recv_init", self.p2p_seq, lambda: self.comm.Recv_init(message, source, tag))
         status = MPI.Status()
         truncated = [False]  # MPICH reports a longer message as an error of the test
 
@@ -352,10 +381,9 @@ class MPIPersistent:
                 return True
 
         def check() -> None:
-            got = -3 if truncated[0] or status.Get_error() == ERR_TRUNCATE else status.Get_count(e.mpi)
+            longer = truncated[0] or status.Get_error() == ERR_TRUNCATE
+            got = -3 if longer else arrived(status, e.mpi, buf.itemsize, as_bytes)
             truncated[0] = False
-            if got == MPI.UNDEFINED:
-                got = -2 - status.Get_count(MPI.BYTE)
             if got != buf.size:
                 raise receive_size_error(buf.size, e.info.name, status.Get_source(), got)
 
