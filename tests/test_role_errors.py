@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mpidist as dist
-from mpidist.errors import DistError
+from mpidist.errors import DistBackendError, DistError
 
 from helpers import check_raises, fail_together
 
@@ -95,6 +95,18 @@ def test_detail_every_rank_raises_and_the_group_stays_usable(fresh, case):
     fail_together(problems + _still_correct(fresh))
 
 
+def _their_part(call, g) -> list[str]:
+    """The other ranks' part of the failed call: it completes where the MPI library sends small messages without
+    the failing rank (MPICH), or times out where its algorithm needs that rank (Open MPI's reduce and broadcast
+    trees at 3 ranks and more). Either way, never wrong data."""
+    try:
+        call(g)
+    except DistBackendError as exc:
+        if "did not complete within the timeout" not in str(exc):
+            return [f"the other ranks' part raised {exc!r}"]
+    return []
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_off_the_failing_rank_refuses_the_group(fresh, case):
     """The failing rank's next call on the group raises; nothing returns the other ranks' leftover data."""
@@ -110,7 +122,7 @@ def test_off_the_failing_rank_refuses_the_group(fresh, case):
         problems += check_raises(DistError, "unusable on this rank", dist.all_gather_into_tensor,
                                  np.zeros(2 * dist.get_world_size()), np.zeros(2), group=fresh)  # fmt: skip
     elif not case.startswith("scatter"):  # scatter's source never sent: a receiver would wait out the timeout
-        call(fresh)  # the other ranks' part completes (small messages go out eagerly)
+        problems += _their_part(call, fresh)
     fail_together(problems + _still_correct(None))  # the default group is not affected
 
 
@@ -135,6 +147,6 @@ def test_off_a_refused_group_refuses_its_persistent_operations(fresh):
         problems += check_raises(DistError, r"unusable on this rank: gather \(call #\d+\)", p.start)
         problems += check_raises(DistError, "unusable on this rank", dist.all_reduce_init, np.zeros(2), group=fresh)
     else:
-        call(fresh)
+        problems += _their_part(call, fresh)
     p.free()
     fail_together(problems + _still_correct(None))
