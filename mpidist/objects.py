@@ -57,7 +57,9 @@ from ._object_wire import (
     wait_all,
 )
 from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, receive_buffers, unpickle
+from ._world import world
 from .collectives import root_rank
+from .diagnose.debug import DebugLevel
 from .process_group import ProcessGroup, resolve_group
 
 __all__ = [
@@ -116,6 +118,8 @@ def broadcast_object_list(
     _check_list(object_list, fn, "object_list")
     impl = pg.control
     at_root = impl.rank == root
+    if world.debug_level >= DebugLevel.DETAIL:
+        _same_lengths(impl, root, len(object_list), fn)
     exc = None
     if at_root:
         mine, exc = try_pickle(list(object_list))
@@ -145,6 +149,23 @@ def broadcast_object_list(
             )
         object_list[:] = unpickle(stream, buffers)
     return None
+
+
+def _same_lengths(impl: Any, root: int, length: int, fn: str) -> None:
+    """DETAIL's check of ``broadcast_object_list``: every rank's list has the source's length, else every rank raises.
+
+    Without it only the receivers whose length differs raise (when the broadcast
+    arrives); the source cannot know their lengths without this exchange.
+    """
+    lengths = np.empty(impl.size, _I64)
+    impl.all_gather_into_tensor(lengths, None, np.array([length], _I64), False)
+    wrong = [r for r, k in enumerate(lengths.tolist()) if k != lengths[root]]
+    if wrong:
+        counts = ", ".join(f"{lengths[r]} on rank {r}" for r in wrong)
+        raise ValueError(
+            f"{fn}: object_list has {lengths[root]} items on the source rank {root} but {counts} (group ranks); "
+            "every rank must pass a list of the same length (checked at debug level DETAIL, on every rank)"
+        )
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:

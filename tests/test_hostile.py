@@ -73,11 +73,16 @@ def test_detail_gather_object_with_a_wrong_list_on_the_root_leaves_nothing_for_t
 @pytest.mark.parametrize("level", ["OFF", "DETAIL"])
 def test_broadcast_object_list_of_other_lengths_raises_at_once_and_leaves_the_group_usable(fresh, level):
     """Receivers whose list has another length than the source's raise ValueError as soon as the broadcast
-    arrives (not at the timeout), their lists untouched; the group carries the next calls correctly."""
+    arrives (not at the timeout), their lists untouched; at DETAIL every rank raises, the source too, naming
+    the lengths. The group carries the next calls correctly."""
     c = Checks()
     dist.set_debug_level(level)
     objs = ["a", "b", "c"] if RANK == 0 else ["keep"] * (2 + RANK % 2 * 2)  # 2 or 4 items, never 3
-    if RANK == 0:
+    if level == "DETAIL":
+        c.raises(ValueError, r"object_list has 3 items on the source rank 0 but 4 on rank 1\b", dist.broadcast_object_list,
+                 objs, src=0, group=fresh)  # fmt: skip
+        c.equal("the list", objs, ["a", "b", "c"] if RANK == 0 else ["keep"] * len(objs))
+    elif RANK == 0:
         dist.broadcast_object_list(objs, src=0, group=fresh)
         c.equal("the source's list", objs, ["a", "b", "c"])
     else:
