@@ -398,23 +398,14 @@ class MPIBackend(MPIPersistent, BaseBackend):
         """
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
-        try:
-            if not req.Test():
-                self._wait(op, req, keep)
+        try:  # one test first: a small operation is often complete; else poll until the timeout
+            if not req.Test() and not poll(req.Test, self.timeout_s, self.spins, (self.group_name, op, self.seq)):
+                self._expired(op, req, keep)
         except MPI.Exception as exc:
             raise self._fail(op, exc) from exc
         if post is not None:
             post()
         return None
-
-    def _wait(self, op: str, req: MPI.Request, keep: Any) -> None:
-        """Block until ``req`` completes or the group's timeout passes (then raise).
-
-        Only called once a first test found ``req`` incomplete, so the call costs
-        nothing that waiting would not have cost anyway.
-        """
-        if not poll(req.Test, self.timeout_s, self.spins, (self.group_name, op, self.seq)):
-            self._expired(op, req, keep)
 
     def _expired(self, op: str, req: MPI.Request, keep: Any) -> None:
         """A blocking call ran out of time: keep its buffers forever and raise."""
