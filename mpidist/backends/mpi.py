@@ -567,12 +567,20 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def reduce(self, buf: ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "reduce")
+        mop = e.ops[op] if type(op) is RedOpType else _GENERAL
         comm = self.comm
         at_root = self.rank == root
-        return self._reduction(
-            "reduce", e, op, buf, buf if at_root else None, at_root,
-            lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
-        )  # fmt: skip
+        if type(mop) is not Op or backs is not None:
+            return self._reduction(
+                "reduce", e, op, buf, buf if at_root else None, at_root,
+                lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
+            )  # fmt: skip
+        msg = [buf, e.mpi]
+        try:
+            req = comm.Ireduce(IN_PLACE, msg, mop, root) if at_root else comm.Ireduce(msg, None, mop, root)
+        except MPI.Exception as exc:
+            raise self._fail("reduce", exc) from exc
+        return self._done("reduce", req, None, buf, async_op)
 
     def reduce_scatter_tensor(self, out: ndarray, backs: Any, inp: ndarray, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
