@@ -99,8 +99,10 @@ class Case:
         run: Callable[[Callable, Any, dict], Any] | None = None,
         min_size: int = 1,
         grouped: bool = True,
+        says: str | None = None,
     ) -> None:
         self.fn, self.good, self.bad, self.min_size, self.grouped = fn, good, bad, min_size, grouped
+        self.says = says or fn  # an alias (the same function object) names its original in messages
         self.run = run or (lambda f, g, kw: f(**kw))
 
 
@@ -176,7 +178,7 @@ CASES: list[Case] = [
     Case("all_gather_into_tensor", lambda g: dict(output_tensor=np.zeros(SIZE * K), input_tensor=_t(), group=g),
          {"output_tensor": NOT_ARRAY + [np.zeros(SIZE * K + 1)], "input_tensor": NOT_ARRAY, **COLLECTIVE_BAD}),
     Case("all_gather_single", lambda g: dict(output_tensor=np.zeros(SIZE * K), input_tensor=_t(), group=g),
-         {"output_tensor": NOT_ARRAY, "input_tensor": NOT_ARRAY, **COLLECTIVE_BAD}),
+         {"output_tensor": NOT_ARRAY, "input_tensor": NOT_ARRAY, **COLLECTIVE_BAD}, says="all_gather_into_tensor"),
     Case("gather", lambda g: dict(tensor=_t(), gather_list=_root_list(), dst=0, group=g),
          {"tensor": NOT_ARRAY, "dst": NOT_RANK, "group_dst": NOT_RANK, **COLLECTIVE_BAD}),
     Case("scatter", lambda g: dict(tensor=np.zeros(K), scatter_list=_root_list(), src=0, group=g),
@@ -187,7 +189,7 @@ CASES: list[Case] = [
     Case("reduce_scatter_tensor", lambda g: dict(output=np.zeros(K), input=np.ones(SIZE * K), group=g),
          {"output": NOT_ARRAY, "input": NOT_ARRAY + [np.ones(SIZE * K + 1)], "op": NOT_OP, **COLLECTIVE_BAD}),
     Case("reduce_scatter_single", lambda g: dict(output=np.zeros(K), input=np.ones(SIZE * K), group=g),
-         {"output": NOT_ARRAY, "input": NOT_ARRAY, "op": NOT_OP, **COLLECTIVE_BAD}),
+         {"output": NOT_ARRAY, "input": NOT_ARRAY, "op": NOT_OP, **COLLECTIVE_BAD}, says="reduce_scatter_tensor"),
     Case("all_to_all_single",
          lambda g: dict(output=np.zeros(SIZE * K), input=np.ones(SIZE * K), output_split_sizes=[K] * SIZE,
                         input_split_sizes=[K] * SIZE, group=g),
@@ -307,7 +309,7 @@ CASES: list[Case] = [
     Case("make_premul_sum", lambda g: dict(factor=2.0), {"factor": ["2", object(), None, [2.0], np.ones(3)]},
          grouped=False),
     Case("_make_nccl_premul_sum", lambda g: dict(factor=2.0), {"factor": ["2", object(), None, [2.0]]},
-         grouped=False),
+         grouped=False, says="make_premul_sum"),
     Case("ReduceOp", lambda g: dict(op=dist.ReduceOp.MAX), {"op": NOT_OP}, grouped=False),
     Case("supports_complex", lambda g: dict(op=dist.ReduceOp.SUM), {"op": NOT_OP}, grouped=False),
     Case("set_debug_level", lambda g: dict(level="OFF"), {"level": ["nope", object(), 1.5, 99, None]},
@@ -355,7 +357,7 @@ def _short(v: Any) -> str:
 def test_wrong_arguments_are_refused_naming_the_function_and_the_group_stays_usable(fresh, case):
     c = Checks()
     fn = getattr(dist, case.fn)
-    name = case.fn
+    name = case.says
     for arg, values in case.bad.items():
         for bad in values:
             kw = case.good(fresh) if case.good is not None else {}
