@@ -314,6 +314,14 @@ CASES: list[Case] = [
     Case("supports_complex", lambda g: dict(op=dist.ReduceOp.SUM), {"op": NOT_OP}, grouped=False),
     Case("set_debug_level", lambda g: dict(level="OFF"), {"level": ["nope", object(), 1.5, 99, None]},
          grouped=False),
+    # -- Lightning's utilities and the sampler ---------------------------------------------------------
+    Case("gather_all_tensors", lambda g: dict(result=_t(), group=g), {"result": ["x", object(), None], **COLLECTIVE_BAD}),
+    Case("sync_ddp", lambda g: dict(result=_t(), group=g, reduce_op="sum"),
+         {"result": ["x", object(), None], "reduce_op": ["nope", object(), 1.5], **COLLECTIVE_BAD}),
+    Case("DistributedSampler", lambda g: dict(dataset=list(range(8)), num_replicas=SIZE, rank=RANK),
+         {"dataset": [object(), 7], "num_replicas": ["2", object(), 1.5, 0, -1], "rank": ["0", object(), 1.5, -1, SIZE],
+          "seed": ["0", object(), 1.5]},
+         grouped=False),
     Case("is_backend_available", lambda g: dict(backend="mpi"), {"backend": [object(), 1.5, None]}, grouped=False),
 ]  # fmt: skip
 
