@@ -318,7 +318,10 @@ def new_subgroups_by_enumeration(
     for i, lst in enumerate(lists):
         for r in lst:
             if r in seen:
-                raise ValueError(f"{fn}: rank {r} appears in subgroups {seen[r]} and {i}; subgroups must not overlap")
+                raise ValueError(
+                    f"{fn}: rank {r} appears in subgroups {seen[r]} and {i} of ranks_per_subgroup_list; "
+                    "subgroups must not overlap"
+                )
             seen[r] = i
     return _split(fn, world.control, lists, td, devices, pg_options, group_desc, requested)
 

@@ -366,6 +366,8 @@ def is_ucc_available() -> bool:
 
 def is_backend_available(backend: str) -> bool:
     """Return True if ``backend`` names a backend mpidist can create."""
+    if not isinstance(backend, str):
+        raise TypeError(f"is_backend_available: backend must be a str, got {type(backend).__name__}")
     name = Backend(backend)
     if name in (Backend.MPI, Backend.GLOO):  # "gloo" is served by MPI
         return is_mpi_available()

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ._validate import int_arg
 from ._world import world
+from .arrays.host import _adapt as adapt
 from .arrays.host import prepare_input, prepare_output
 from .collectives import root_rank
 from .process_group import ProcessGroup, resolve_group
@@ -151,10 +152,11 @@ class P2POp:
             raise ValueError(f"{fn}: op must be mpidist.isend or mpidist.irecv, got {op!r}")
         if peer is None and group_peer is None:
             raise ValueError(f"{fn}: peer (a global rank) or group_peer (a group rank) is required")
+        adapt(tensor, fn, "tensor")  # an array of a kind mpidist takes (as torch checks the tensor here)
         self.op = op
         self.tensor = tensor
         self.group = group
-        self.tag = tag
+        self.tag = tag_value(tag, fn)
         pg = resolve_group(group, fn)
         if pg is None:  # not a member: batch_isend_irecv skips it
             self.peer, self.group_peer = peer, group_peer

@@ -74,12 +74,7 @@ class ReduceOp:
     def __init__(self, op: RedOpType | int = RedOpType.SUM, factor: Any = None) -> None:
         if isinstance(op, ReduceOp):
             op, factor = op.op, op.factor if factor is None else factor
-        if isinstance(op, bool) or not isinstance(op, int):
-            raise TypeError(f"ReduceOp: op must be a ReduceOp.RedOpType, got {op!r}")
-        try:
-            self.op = RedOpType(op)
-        except ValueError:
-            raise ValueError(f"ReduceOp: no reduction numbered {int(op)}") from None
+        self.op = _op_type(op, "ReduceOp")
         self.factor = factor
 
     def __eq__(self, other: object) -> bool:
@@ -144,9 +139,19 @@ def make_premul_sum(factor: Any) -> ReduceOp:
 _make_nccl_premul_sum = make_premul_sum
 
 
+def _op_type(op: Any, fn: str) -> RedOpType:
+    """``op`` (a RedOpType or its number) as a RedOpType, or the TypeError/ValueError of ``fn``."""
+    if isinstance(op, bool) or not isinstance(op, int):
+        raise TypeError(f"{fn}: op must be a ReduceOp.RedOpType, got {op!r}")
+    try:
+        return RedOpType(op)
+    except ValueError:
+        raise ValueError(f"{fn}: no reduction numbered {int(op)} (op must be a ReduceOp.RedOpType)") from None
+
+
 def supports_complex(op: RedOpType | ReduceOp) -> bool:
     """Return True if ``op`` is defined for complex arrays."""
-    base = op.op if isinstance(op, ReduceOp) else RedOpType(op)
+    base = op.op if isinstance(op, ReduceOp) else _op_type(op, "supports_complex")
     return base in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
 

@@ -533,19 +533,22 @@ def test_batch_isend_irecv_validation(make, rank):
 
 
 def test_batch_isend_irecv_validates_every_op_before_posting(make, rank, world_size):
-    """A bad op anywhere in the list: ValueError, and none of the valid ops was posted."""
+    """A bad op anywhere in the list: ValueError, and none of the valid ops was posted. P2POp refuses such
+    arguments itself, so the bad ops are valid ones whose attributes were changed afterwards."""
     n = world_size
     stolen = make(np.full(2, -5.0))
     bad = [
         dist.P2POp(dist.irecv, stolen, prv(rank, n), tag=3),  # valid; must not be posted
-        dist.P2POp(dist.isend, make(np.ones(2)), nxt(rank, n), tag=-1),  # invalid tag
+        dist.P2POp(dist.isend, make(np.ones(2)), nxt(rank, n), tag=3),
     ]
+    bad[1].tag = -1  # invalid tag
     with pytest.raises(ValueError):
         dist.batch_isend_irecv(bad)
     bad2 = [
         dist.P2POp(dist.irecv, stolen, prv(rank, n), tag=3),
-        dist.P2POp(dist.isend, [1.0, 2.0], nxt(rank, n), tag=3),  # not an array
+        dist.P2POp(dist.isend, make(np.ones(2)), nxt(rank, n), tag=3),
     ]
+    bad2[1].tensor = [1.0, 2.0]  # not an array
     with pytest.raises(TypeError):
         dist.batch_isend_irecv(bad2)
     inp = make.zeros(2)

@@ -537,7 +537,11 @@ class MPIBackend(MPIPersistent, BaseBackend):
     ) -> Work | None:
         """Run a reduction whose MPI call is ``start(send message, recv message, op)`` (see ``_reduction_plan``);
         staged outputs are written back afterwards."""
-        smsg, rmsg, mop, prepare, finish, undo, bufs = self._reduction_plan(fn, e, op, send, recv, in_place)
+        try:
+            smsg, rmsg, mop, prepare, finish, undo, bufs = self._reduction_plan(fn, e, op, send, recv, in_place)
+        except (TypeError, ValueError):
+            self.seq -= 1  # the op was refused before anything was posted: the call was not issued
+            raise
         if prepare is not None:
             prepare()
         try:
