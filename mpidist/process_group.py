@@ -346,7 +346,9 @@ class ProcessGroup:
         # summed over the backends so that the state has one length on every rank (device backends are made
         # on first use: a rank may have one that another has not)
         state = [int(pending), self.control.seq, sum(b.seq for b in backends)]
-        agreed = self.control.agree_to_free(state, min(self.control.timeout_s, _FREE_AGREEMENT_S))
+        every = [*backends, self.control]
+        messages = (sum(b.sent for b in every), sum(b.received for b in every))
+        agreed = self.control.agree_to_free(state, messages, min(self.control.timeout_s, _FREE_AGREEMENT_S))
         if not agreed:
             self.control.keep_comm()  # a member may still send on the communicators: never free them
         for b in backends:

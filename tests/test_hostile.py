@@ -339,3 +339,38 @@ def test_a_posted_receive_of_a_message_that_is_not_whole_elements_raises(tmp_pat
                        "but 12 bytes arrived" in out)  # fmt: skip
             c.true("a correct receive afterwards", "RESULT afterwards [0.0, 1.0, 2.0, 3.0]" in out)
     c.done()
+
+
+# -- a message nobody received on a destroyed group ---------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["isend", "send_object_list", "send_init"])
+def test_a_message_nobody_received_never_reaches_a_later_group(how):
+    """Found by the fuzz: rank 0 sent on group A (eagerly: the send completed) and nobody received it; A was
+    destroyed, its communicator freed, and MPICH gave group B the same context, so rank 1's recv on B got A's
+    [42, 42]. destroy_process_group now frees a group's communicators only when the messages sent on it
+    were all received (summed over the members); else it leaves them allocated."""
+    c = Checks()
+    a = dist.new_group(timeout=timedelta(seconds=5))
+    if RANK == 0:
+        if how == "isend":
+            dist.isend(np.full(2, 42.0), dst=1, group=a)
+        elif how == "send_object_list":
+            dist.send_object_list([np.full(2, 42.0)], dst=1, group=a)
+        else:
+            with dist.send_init(np.full(2, 42.0), dst=1, group=a) as p:
+                p.start().wait()  # completes eagerly
+    dist.barrier()
+    dist.destroy_process_group(a)
+    b = dist.new_group(timeout=timedelta(seconds=5))
+    if RANK == 0:
+        dist.send(np.full(2, 7.0), dst=1, group=b)
+    elif RANK == 1:
+        x = np.zeros(2)
+        dist.recv(x, src=0, group=b)
+        c.equal("the message received on the new group", x.tolist(), [7.0, 7.0])
+    _sum_ok(c, b)
+    dist.destroy_process_group(b)
+    c.done()

@@ -115,6 +115,10 @@ class BaseBackend(ABC):
         self.global_ranks = global_ranks  # members' world ranks, for timeout diagnoses
         self.seq = 0  # collectives issued on this group (the same on every rank)
         self.p2p_seq = 0  # point-to-point calls issued here (differs between ranks)
+        # messages this rank sent and receives it made on this backend: summed over the members, equal
+        # when every message was received (destroy_process_group frees the communicators only then)
+        self.sent = 0
+        self.received = 0
         self._stuck: list[Any] = []
         # tests before a wait yields the CPU (see work.poll): long if this node has a core per rank
         self.spins = SPINS_OVERSUBSCRIBED if world.init_info.oversubscribed else SPINS_IDLE_CORES

@@ -313,7 +313,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         if self._owns_comm and self.comm != MPI.COMM_NULL and not self.pending():
             self.comm.Free()
 
-    def agree_to_free(self, state: Sequence[int], limit_s: float) -> bool:
+    def agree_to_free(self, state: Sequence[int], messages: tuple[int, int], limit_s: float) -> bool:
         """Whether every member is done with the group's communicators, so that freeing them is safe.
 
         ``destroy_process_group`` frees a group's communicators, and MPI reuses their
@@ -326,15 +326,19 @@ class MPIBackend(MPIPersistent, BaseBackend):
         calls on each of the group's backends, and 1 if a call is still pending): group
         rank 0 collects every state with point-to-point messages on this (control)
         communicator under a tag of their own (no stale collective traffic or library
-        message can match them) and answers each member whether all states are equal
-        and nothing is pending. A member that does not answer within ``limit_s``
+        message can match them) and answers each member whether all states are equal,
+        nothing is pending and every message was received: ``messages`` is this rank's
+        (messages sent, receives made) on the group, and the sums over the members must
+        be equal (a send that completed at once, eagerly, with no receive for it, would
+        otherwise be delivered to a later group's receive). A member that does not answer within ``limit_s``
         (it has not called destroy, or is busy elsewhere) means no: the communicators
         are left allocated (a small leak), never freed under a message in flight.
         """
         comm, size = self.comm, self.size
         if size == 1:
-            return not state[0]
-        mine = np.array(state, np.int64)
+            return not state[0] and messages[0] == messages[1]
+        mine = np.array([*state, *messages], np.int64)
+        same_from = len(state)  # the columns that must be equal on every member; the last two are summed
         verdict = np.zeros(1, np.int64)
         try:
             if state[0]:  # a call is pending here: the answer is no; tell the others without waiting for them
@@ -355,14 +359,16 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 if not poll(sent.Test, 1.0, self.spins):  # matched by rank 0: completes
                     self._orphans.append(([sent], mine))  # pragma: no cover
                 return bool(verdict[0])
-            boxes = np.zeros((size - 1, len(state)), np.int64)
+            boxes = np.zeros((size - 1, len(mine)), np.int64)
             reqs = [comm.Irecv(boxes[k - 1], k, _FREE_TAG) for k in range(1, size)]
             everyone = poll(lambda: MPI.Request.Testall(reqs), limit_s, self.spins)
             answered = [k for k in range(1, size) if reqs[k - 1].Test()]
             for k in range(1, size):
                 if k not in answered:
                     reqs[k - 1].Cancel()
-            same = everyone and bool((boxes == mine).all()) and not state[0]
+            sent, received = boxes[:, same_from:].sum(axis=0) + mine[same_from:]
+            same = everyone and bool((boxes[:, :same_from] == mine[:same_from]).all()) and not state[0]
+            same = same and sent == received
             verdict[0] = int(same)
             sends = [comm.Isend(verdict, k, _FREE_TAG) for k in answered]
             if not poll(lambda: MPI.Request.Testall(sends), 1.0, self.spins):  # pragma: no cover - small: eager
@@ -784,6 +790,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
     # -- point-to-point -------------------------------------------------------------------
     def send(self, buf: ndarray, peer: int, tag: int) -> Work:
         self.p2p_seq += 1
+        self.sent += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "send")
         try:
             req = self.comm.Isend([buf, e.mpi], peer, tag)
@@ -794,6 +801,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Post the receive into ``buf`` at once (see :class:`_Receive`)."""
         self.p2p_seq += 1
+        self.received += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
         target = buf
         if (peer == self.rank or (peer is None and self.size == 1)) and not _reports_self_truncation():
@@ -811,6 +819,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Match the message with a probe first, then receive it (see :class:`_Receive`)."""
         self.p2p_seq += 1
+        self.received += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "recv")
         return _Receive(None, buf, e, backs, self, peer, (self.comm, tag))
 

@@ -235,6 +235,14 @@ class MPIPersistent:
             fn, op_name, lambda: init(smsg, rmsg, mop), bufs, _chain(pre, prepare), then_write_back(finish, backs)
         )
 
+    def _one_sent(self) -> None:
+        """A start of a persistent send: one message more (see BaseBackend.sent)."""
+        self.sent += 1
+
+    def _one_received(self) -> None:
+        """A start of a persistent receive: one receive more."""
+        self.received += 1
+
     def _entry(self, a: ndarray, fn: str) -> Any:
         return self._types.get(a.dtype) or self._bad_dtype(a, fn)
 
@@ -359,7 +367,7 @@ class MPIPersistent:
         e = self._entry(buf, "send_init")
         req = self._make("send_init", self.p2p_seq, lambda: self.comm.Send_init([buf, e.mpi], peer, tag))
         return PersistentPlan(self, "persistent send", self.p2p_seq, buf, req=req, release=lambda: _free(req),
-                              p2p=True)  # fmt: skip
+                              pre=self._one_sent, p2p=True)  # fmt: skip
 
     def recv_init(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> PersistentPlan:
         """A persistent receive into ``buf``; each completed run checks the message had ``buf``'s size."""
@@ -401,5 +409,6 @@ class MPIPersistent:
 
         return PersistentPlan(
             self, "persistent recv", self.p2p_seq, buf, req=req, test=test,
-            post=then_write_back(check, backs), release=lambda: _free(req), cancel=cancel, p2p=True,
+            post=then_write_back(check, backs), release=lambda: _free(req), cancel=cancel, pre=self._one_received,
+            p2p=True,
         )  # fmt: skip
