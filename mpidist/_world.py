@@ -81,6 +81,7 @@ class World:
         self.device_ops: Any = None  # _device.CupyOps, made on the first GPU array
         self.cuda_aware: bool | None = None  # whether MPI takes device pointers (_device.mpi_cuda_aware)
         self.persistent_routines: dict[str, bool] = {}  # MPI-4 *_init routines this MPI library runs (probed)
+        self.self_truncation_reported: bool | None = None  # MPI reports a longer message to self (probed)
         self.staging_warned = False  # the one-time warning about staging device arrays through host memory
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow

@@ -8,6 +8,7 @@ Backends translate the primitives into their own ops (MPI.Op, ncclRedOp_t).
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from enum import IntEnum
@@ -318,20 +319,14 @@ def divide_average(a: Any, n: int, xp: Any) -> None:
 # and the result NaN is always the default quiet NaN (numpy.nan's bits).
 
 
-_KEY_LAYOUTS: dict[Any, tuple[Any, int, Any, tuple[int, int]]] = {}
-
-
+@functools.lru_cache(maxsize=16)  # (dtype, array module): a few float dtypes, numpy and cupy
 def _key_layout(dtype: Any, xp: Any) -> tuple[Any, int, Any, tuple[int, int]]:
     """``(integer dtype, bits - 1, magnitude mask, NaN keys for MAX and MIN)`` of a float dtype."""
-    layout = _KEY_LAYOUTS.get((dtype, xp))
-    if layout is None:
-        idt = xp.dtype(f"i{dtype.itemsize}")
-        shift = 8 * dtype.itemsize - 1
-        quiet = int(xp.array(float("nan"), dtype).view(idt))  # the default quiet NaN, positive: its own key
-        # MAX: the quiet NaN's key lies above +inf's; MIN: ~quiet is the key of -NaN, below -inf's
-        layout = (idt, shift, xp.array((1 << shift) - 1, idt), (quiet, ~quiet))
-        _KEY_LAYOUTS[(dtype, xp)] = layout
-    return layout
+    idt = xp.dtype(f"i{dtype.itemsize}")
+    shift = 8 * dtype.itemsize - 1
+    quiet = int(xp.array(float("nan"), dtype).view(idt))  # the default quiet NaN, positive: its own key
+    # MAX: the quiet NaN's key lies above +inf's; MIN: ~quiet is the key of -NaN, below -inf's
+    return idt, shift, xp.array((1 << shift) - 1, idt), (quiet, ~quiet)
 
 
 def to_order_keys(src: Any, dst: Any, prim: Prim, xp: Any) -> Any:

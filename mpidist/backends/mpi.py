@@ -235,16 +235,13 @@ def _count_limit_note() -> str:
     )
 
 
-_SELF_TRUNCATION: list[bool] = []
-
-
 def _reports_self_truncation() -> bool:
     """Whether this MPI library reports a message a rank sends itself that is longer than the receive.
 
     MPICH raises MPI_ERR_TRUNCATE as for any peer; Open MPI 5 silently truncates a message
-    to self (found out once per process, on MPI_COMM_SELF).
+    to self (found out once per process, on MPI_COMM_SELF; kept in ``world``).
     """
-    if not _SELF_TRUNCATION:
+    if world.self_truncation_reported is None:
         comm = MPI.COMM_SELF
         got = np.zeros(1, np.uint8)
         recv = comm.Irecv([got, BYTE], 0, 0)
@@ -255,8 +252,8 @@ def _reports_self_truncation() -> bool:
             reported = status.Get_error() == ERR_TRUNCATE
         except MPI.Exception as exc:
             reported = exc.Get_error_class() == ERR_TRUNCATE
-        _SELF_TRUNCATION.append(reported)
-    return _SELF_TRUNCATION[0]
+        world.self_truncation_reported = reported
+    return world.self_truncation_reported
 
 
 class MPIBackend(MPIPersistent, BaseBackend):
