@@ -308,7 +308,11 @@ def new_subgroups_by_enumeration(
     """
     fn = "new_subgroups_by_enumeration"
     default, td, devices, requested = _group_settings(fn, timeout, backend)
-    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)):
+        raise TypeError(
+            f"{fn}: ranks_per_subgroup_list must be a list of lists of ranks, got {type(ranks_per_subgroup_list).__name__}"
+        )
+    if not ranks_per_subgroup_list:
         raise ValueError(f"{fn}: ranks_per_subgroup_list must be a non-empty list of lists of ranks")
     lists = [
         _rank_list(r, default.size(), fn, f"ranks_per_subgroup_list[{i}]")
