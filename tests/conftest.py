@@ -6,6 +6,8 @@ Run under ``mpiexec -n N python -m pytest --with-mpi`` for N = 1..4.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 import mpidist as dist
@@ -46,6 +48,22 @@ def no_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh():
+    """A new group of every rank (5 s timeout), destroyed afterwards; the debug level is OFF after the test.
+
+    For tests that may leave their group refused or timed out (tests/test_role_errors.py, test_hostile.py,
+    test_fuzz.py): the default group and the other tests are not affected.
+    """
+    g = dist.new_group(timeout=timedelta(seconds=5))
+    try:
+        yield g
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        if not g.destroyed:
+            dist.destroy_process_group(g)
 
 
 @pytest.fixture(autouse=True)

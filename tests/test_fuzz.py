@@ -18,7 +18,6 @@ hostile modules).
 from __future__ import annotations
 
 import re
-from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -35,18 +34,6 @@ SIZE = MPI.COMM_WORLD.Get_size()
 K = 3  # elements per rank in the correct calls
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def fresh():
-    """A new group of every rank (5 s timeout), destroyed afterwards; the debug level is OFF after the test."""
-    g = dist.new_group(timeout=timedelta(seconds=5))
-    try:
-        yield g
-    finally:
-        dist.set_debug_level(dist.DebugLevel.OFF)
-        if not g.destroyed:
-            dist.destroy_process_group(g)
 
 
 def _sum_ok(c: Checks, g) -> None:

@@ -32,17 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def fresh():
-    """A new group of every rank (5 s timeout), destroyed afterwards; the debug level is OFF after the test."""
-    g = dist.new_group(timeout=timedelta(seconds=5))
-    try:
-        yield g
-    finally:
-        dist.set_debug_level(dist.DebugLevel.OFF)
-        dist.destroy_process_group(g)
-
-
 def _sum_ok(c: Checks, g) -> None:
     """An all_reduce of [r+1, 10 r] on ``g`` gives the exact sums (the issue's [3, 14] at n = 2)."""
     x = np.array([RANK + 1.0, 10.0 * RANK])

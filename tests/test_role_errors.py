@@ -13,8 +13,6 @@ group cannot block later tests; problems are decided together.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import numpy as np
 import pytest
 
@@ -24,17 +22,6 @@ from mpidist.errors import DistBackendError, DistError
 from helpers import check_raises, fail_together
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def fresh():
-    """A new group of every rank (5 s timeout), destroyed afterwards; the debug level is OFF after the test."""
-    g = dist.new_group(timeout=timedelta(seconds=5))
-    try:
-        yield g
-    finally:
-        dist.set_debug_level(dist.DebugLevel.OFF)
-        dist.destroy_process_group(g)
 
 
 def _still_correct(g) -> list[str]:
