@@ -75,8 +75,9 @@ def root_rank(
 
 
 def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.ndarray], name: str) -> None:
+    dtype = ref.dtype
     for i, a in enumerate(arrays):
-        if a.dtype != ref.dtype:
+        if a.dtype is not dtype and a.dtype != dtype:  # builtin dtypes are singletons: identity first
             raise TypeError(
                 f"{fn}: {name}[{i}] is {a.dtype.name} but {ref_name} is {ref.dtype.name}; dtypes must match"
             )
@@ -423,12 +424,13 @@ def _split_counts(
         raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
     if len(splits) != n:
         raise ValueError(f"{fn}: {name} has {len(splits)} entries but the group has {n} ranks")
-    sizes = [rank_int(s, fn, name) for s in splits]
-    if any(s < 0 for s in sizes):
+    sizes = [s if type(s) is int else rank_int(s, fn, name) for s in splits]
+    if min(sizes) < 0:
         raise ValueError(f"{fn}: {name} must not contain negative sizes, got {sizes}")
-    if sum(sizes) != rows:
-        raise ValueError(f"{fn}: {name} sums to {sum(sizes)} but {arr_name} has {rows} rows")
-    return [s * row_elems for s in sizes]
+    total = sum(sizes)
+    if total != rows:
+        raise ValueError(f"{fn}: {name} sums to {total} but {arr_name} has {rows} rows")
+    return sizes if row_elems == 1 else [s * row_elems for s in sizes]
 
 
 def all_to_all_counts(

@@ -631,6 +631,17 @@ def test_all_to_all_single_uneven(dtype, trailing, make, rank, world_size):
     assert_equal(out, a2a_expected(rank, world_size, table, trailing, dtype))
 
 
+def test_all_to_all_single_numpy_split_sizes(make, rank, world_size):
+    """Split sizes as numpy integers or a numpy array (what code built on numpy passes) act like ints."""
+    table = split_table(world_size)
+    in_splits = np.array(table[rank], np.int64)
+    out_splits = [np.int32(table[j][rank]) for j in range(world_size)]
+    inp = make(a2a_rows(rank, int(in_splits.sum()), (), np.int64))
+    out = make.empty((sum(int(s) for s in out_splits),), np.int64)
+    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
+    assert_equal(out, a2a_expected(rank, world_size, table, (), np.int64))
+
+
 def test_all_to_all_single_input_splits_only(make, rank, world_size):
     # every rank sends j + 1 rows to rank j, so each output splits evenly
     table = [[j + 1 for j in range(world_size)] for _ in range(world_size)]
@@ -1600,6 +1611,46 @@ def test_all_gather_overlapping_outputs_raise(make, rank, world_size):
     x = make(np.ones(1))
     dist.all_reduce(x)
     assert_equal(x, np.array([float(world_size)]))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fn", ["all_gather", "all_to_all"])
+def test_list_outputs_that_are_overlapping_views_raise(fn, rank, world_size):
+    """Views of one buffer (not the same object twice) that overlap: the span check, not the identity shortcut.
+
+    (gather's root-only failure is tests/test_role_errors.py's subject.)
+    """
+    buf = np.zeros(world_size + 1)
+    outs = [buf[i : i + 2] for i in range(world_size)]  # neighbours share one element
+    with pytest.raises(ValueError, match=re.escape(f"{fn}: ") + r".*\[0\] and .*\[1\] overlap in memory"):
+        if fn == "all_gather":
+            dist.all_gather(outs, np.ones(2))
+        else:
+            dist.all_to_all(outs, [np.ones(2) for _ in range(world_size)])
+    assert np.all(buf == 0), "nothing may be written when the outputs are refused"
+    y = np.ones(1)
+    dist.all_reduce(y)
+    assert_equal(y, np.array([float(world_size)]))
+
+
+@pytest.mark.parametrize("fn", ["all_gather", "gather", "all_to_all"])
+def test_list_outputs_that_are_disjoint_views_of_one_buffer(fn, rank, world_size):
+    """Disjoint views of one buffer, in reverse order: written in place, each with its own rank's block."""
+    buf = np.full(2 * world_size, -1.0)
+    outs = [buf[2 * (world_size - 1 - i) : 2 * (world_size - i)] for i in range(world_size)]
+    if fn == "all_gather":
+        dist.all_gather(outs, np.array([rank, 10.0 * rank]))
+        expected = [np.array([r, 10.0 * r]) for r in range(world_size)]
+    elif fn == "gather":
+        dist.gather(np.array([rank, 10.0 * rank]), outs if rank == 0 else None, dst=0)
+        expected = (
+            [np.array([r, 10.0 * r]) for r in range(world_size)] if rank == 0 else [np.full(2, -1.0)] * world_size
+        )
+    else:
+        dist.all_to_all(outs, [np.array([rank, 100.0 * j]) for j in range(world_size)])
+        expected = [np.array([r, 100.0 * rank]) for r in range(world_size)]
+    for i in range(world_size):
+        assert_equal(outs[i], expected[i])
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int64)], ids=["float32", "bf16", "int64"])

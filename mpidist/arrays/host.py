@@ -49,6 +49,8 @@ __all__ = [
     "copy_in",
     "then_write_back",
     "may_overlap",
+    "may_overlap_any",
+    "own_separate_memory",
     "as_array",
     "DeviceArray",
     "is_device",
@@ -249,16 +251,19 @@ def _device_copy(a: DeviceArray, keep_data: bool) -> DeviceArray:
     return tmp
 
 
-def prepare_input(x: Any, fn: str, arg: str) -> Buffer:
+def prepare_input(x: Any, fn: str, arg: str, index: int | None = None) -> Buffer:
     """Return a C-contiguous array (numpy, or DeviceArray for GPU memory) with ``x``'s data, for reading only.
 
     The first test is the readiness check of every call: a C-contiguous numpy
     array (or a plain CPU tensor's view) of a supported dtype goes to MPI as it is.
+    ``index``: ``x`` is ``arg[index]`` (named so in errors; the name is made only then).
     """
     if type(x) is not ndarray:
         x = host_view(x)
     if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
         return x
+    if index is not None:
+        arg = f"{arg}[{index}]"
     a = _adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
     if type(a) is DeviceArray:
@@ -293,14 +298,14 @@ def _check_writeable(a: ndarray, fn: str, arg: str) -> None:
 def _writable_preparer(keep_data: bool) -> Callable[[Any, str, str], tuple[Buffer, Buffer | None]]:
     """Make :func:`prepare_inout` (``keep_data``) and :func:`prepare_output`: one body, no extra call per use."""
 
-    def prepare(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
+    def prepare(x: Any, fn: str, arg: str, index: int | None = None) -> tuple[Buffer, Buffer | None]:
         if type(x) is not ndarray:
             x = host_view(x)
         if type(x) is ndarray and x.dtype in DTYPES:  # the readiness check (see prepare_input)
             f = x.flags
             if f.c_contiguous and f.writeable:
                 return x, None
-        return _prepare_writable(x, fn, arg, keep_data)
+        return _prepare_writable(x, fn, arg if index is None else f"{arg}[{index}]", keep_data)
 
     return prepare
 
@@ -412,7 +417,7 @@ def _check_list(xs: Any, fn: str, arg: str, n: int | None) -> Sequence[Any]:
 def prepare_input_list(xs: Any, fn: str, arg: str, n: int | None = None) -> list[Buffer]:
     """Prepare every array of a list as an input (see :func:`prepare_input`)."""
     xs = _check_list(xs, fn, arg, n)
-    return [prepare_input(x, fn, f"{arg}[{i}]") for i, x in enumerate(xs)]
+    return [prepare_input(x, fn, arg, i) for i, x in enumerate(xs)]
 
 
 def prepare_output_list(
@@ -426,7 +431,7 @@ def prepare_output_list(
     bufs: list[Buffer] = []
     backs: list[tuple[Buffer, Buffer]] = []
     for i, x in enumerate(xs):
-        buf, target = prepare_output(x, fn, f"{arg}[{i}]")
+        buf, target = prepare_output(x, fn, arg, i)
         bufs.append(buf)
         if target is not None:
             backs.append((buf, target))
@@ -497,6 +502,28 @@ def refuse_overlapping_outputs(spans: Sequence[tuple[Any, int, int, int]], fn: s
         raise ValueError(
             f"{fn}: {arg}[{pair[0]}] and {arg}[{pair[1]}] overlap in memory; every output needs its own memory"
         )
+
+
+def may_overlap_any(a: ndarray, arrays: Sequence[ndarray]) -> bool:
+    """Return True unless ``a`` certainly shares memory with none of ``arrays`` (see :func:`may_overlap`)."""
+    for b in arrays:
+        if may_overlap(a, b):
+            return True
+    return False
+
+
+def own_separate_memory(arrays: Sequence[Any]) -> bool:
+    """Return True if no two of ``arrays`` can share memory because each owns its own.
+
+    Numpy arrays that own their memory (``base`` is None: the common case, a list
+    of ``np.empty`` arrays) and are all different objects cannot overlap; then
+    the sorted span check (:func:`overlapping_pair`) is not needed. False means
+    "not decided here".
+    """
+    for a in arrays:
+        if type(a) is not ndarray or a.base is not None:
+            return False
+    return len(set(map(id, arrays))) == len(arrays)
 
 
 def may_overlap(a: ndarray, b: ndarray) -> bool:

@@ -150,37 +150,43 @@ def _address(a: ndarray) -> int:
     return MPI.buffer(a).address
 
 
-def _layout(arrays: Sequence[ndarray], fn: str, arg: str, check_overlap: bool) -> tuple[list[int], list[int]]:
-    """Return byte counts and absolute addresses of ``arrays`` (checking outputs do not overlap)."""
-    counts = [a.nbytes for a in arrays]
-    addrs = [_address(a) if n else 0 for a, n in zip(arrays, counts)]
-    if check_overlap:
-        _arrays.refuse_overlapping_outputs(
-            [(0, addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts))], fn, arg
-        )
-    return counts, addrs
-
-
 def _vector(
     arrays: Sequence[ndarray], fn: str, arg: str, output: bool
 ) -> tuple[list[Any], list[int] | None, list[tuple[ndarray, ndarray]]]:
     """The message ``[buffer, byte counts, byte displacements, BYTE]`` for a list of arrays.
 
     The buffer starts at the lowest array and the displacements are offsets from
-    it, so MPI reads and writes the arrays where they are (no packing). Returns the
-    message, the arrays' absolute addresses (None if staged) and the write-backs a
-    staged output needs. An MPI library without MPI-4 large counts cannot express
+    it, so MPI reads and writes the arrays where they are (no packing). Outputs
+    must not overlap (a ValueError names the two). Returns the message, the
+    arrays' absolute addresses (None if staged) and the write-backs a staged
+    output needs. An MPI library without MPI-4 large counts cannot express
     offsets beyond 2^31 bytes: then the arrays go through one staging buffer.
+    One pass over the list: this runs on every call of the list collectives.
     """
-    counts, addrs = _layout(arrays, fn, arg, output)
-    live = [(addr, n) for addr, n in zip(addrs, counts) if n]
-    if not live:
+    counts: list[int] = []
+    addrs: list[int] = []
+    lo = hi = -1
+    for a in arrays:
+        n = a.nbytes
+        counts.append(n)
+        if n:
+            addr = _address(a)
+            addrs.append(addr)
+            if lo < 0 or addr < lo:
+                lo = addr
+            if addr + n > hi:
+                hi = addr + n
+        else:
+            addrs.append(0)
+    if output and not _arrays.own_separate_memory(arrays):
+        _arrays.refuse_overlapping_outputs(
+            [(0, addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts))], fn, arg
+        )
+    if lo < 0:
         return [_EMPTY, counts, [0] * len(counts), BYTE], addrs, []
-    base = min(addr for addr, _ in live)
-    span = max(addr + n for addr, n in live) - base
-    if span <= _INT_MAX or _LARGE_COUNTS:
-        displs = [addr - base if n else 0 for addr, n in zip(addrs, counts)]
-        return [MPI.buffer.fromaddress(base, span), counts, displs, BYTE], addrs, []
+    if hi - lo <= _INT_MAX or _LARGE_COUNTS:
+        displs = [addr - lo if addr else 0 for addr in addrs]
+        return [MPI.buffer.fromaddress(lo, hi - lo), counts, displs, BYTE], addrs, []
     staging = np.empty(sum(counts), np.uint8)
     world.stats.count_copy(staging.nbytes)
     displs = displacements(counts)
@@ -616,7 +622,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "reduce_scatter")
         counts = [a.size for a in ins]
-        if _consecutive(ins) and not any(_arrays.may_overlap(out, a) for a in ins):
+        if _consecutive(ins) and not _arrays.may_overlap_any(out, ins):
             total = sum(a.nbytes for a in ins)
             packed = np.frombuffer(MPI.buffer.fromaddress(_address(ins[0]) if total else 0, total), out.dtype)
         else:
@@ -676,7 +682,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
 
     def _own_block(self, inp: ndarray, mine: ndarray, addrs: list[int] | None, outs: Sequence[ndarray]) -> Any:
         """The send message of a rank whose output block may be (or overlap) its input."""
-        if addrs is None or not any(_arrays.may_overlap(inp, o) for o in outs):
+        if addrs is None or not _arrays.may_overlap_any(inp, outs):
             return [inp, inp.nbytes, BYTE]  # (outputs staged elsewhere, or no overlap)
         if inp.nbytes and mine.nbytes == inp.nbytes and _address(inp) == addrs[self.rank]:
             return IN_PLACE
@@ -709,7 +715,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         rmsg: Any = [out, out.nbytes, BYTE]
         smsg = None
         if ins is not None:
-            if any(_arrays.may_overlap(out, a) for a in ins):
+            if _arrays.may_overlap_any(out, ins):
                 mine = ins[self.rank]
                 if out.nbytes and mine.nbytes == out.nbytes and _address(mine) == _address(out):
                     rmsg = IN_PLACE  # this rank's block already is its output
@@ -752,7 +758,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def all_to_all(self, outs: Sequence[ndarray], backs: Any, ins: Sequence[ndarray], async_op: bool) -> Work | None:
         self.seq += 1
         rmsg, _, staged = _vector(outs, "all_to_all", "output_tensor_list", True)
-        if any(_arrays.may_overlap(o, a) for o in outs for a in ins):
+        if any(_arrays.may_overlap_any(a, outs) for a in ins):
             ins = [self._separate(a) for a in ins]
         smsg = _vector(ins, "all_to_all", "input_tensor_list", False)[0]
         try:
