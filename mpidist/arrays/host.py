@@ -515,13 +515,14 @@ def may_overlap_any(a: ndarray, arrays: Sequence[ndarray]) -> bool:
 def own_separate_memory(arrays: Sequence[Any]) -> bool:
     """Return True if no two of ``arrays`` can share memory because each owns its own.
 
-    Numpy arrays that own their memory (``base`` is None: the common case, a list
-    of ``np.empty`` arrays) and are all different objects cannot overlap; then
-    the sorted span check (:func:`overlapping_pair`) is not needed. False means
-    "not decided here".
+    Numpy arrays that own their memory (numpy allocated it: the common case, a
+    list of ``np.empty`` arrays) and are all different objects cannot overlap;
+    then the sorted span check (:func:`overlapping_pair`) is not needed. False
+    means "not decided here". (``owndata``, not ``base is None``: an array that
+    a C extension made over foreign memory has no base but does not own it.)
     """
     for a in arrays:
-        if type(a) is not ndarray or a.base is not None:
+        if type(a) is not ndarray or not a.flags.owndata:
             return False
     return len(set(map(id, arrays))) == len(arrays)
 
