@@ -28,6 +28,8 @@ FALSE_WORDS = ("0", "false", "no", "off")
 
 def int_arg(value: Any, fn: str, arg: str, minimum: int = 0, expected: str = "a non-negative int") -> int:
     """``value`` as an int (bools refused) of at least ``minimum``; ``expected`` words the range in messages."""
+    if type(value) is int and value >= minimum:  # the common case, at the cost of one test
+        return value
     if isinstance(value, bool) or type(value).__name__ == "bool_" or not hasattr(value, "__index__"):
         raise TypeError(f"{fn}: {arg} must be an int, got {type(value).__name__}")
     try:

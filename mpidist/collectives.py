@@ -415,22 +415,39 @@ reduce_scatter_single = reduce_scatter_tensor
 def _split_counts(
     splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str
 ) -> list[int] | None:
-    """Return per-rank element counts for a split-size argument (None for an even split)."""
-    if splits is None or (isinstance(splits, (list, tuple)) and len(splits) == 0):
+    """Return per-rank element counts for a split-size argument (None for an even split).
+
+    One pass over the sizes: converted, checked and summed together (uneven
+    all_to_all_single is a hot call in expert-parallel models).
+    """
+    if type(splits) is list or type(splits) is tuple:
+        even = not splits
+    elif splits is None:
+        even = True
+    elif isinstance(splits, (list, tuple, np.ndarray)):
+        even = False  # a numpy array of sizes, or a list or tuple subclass
+    else:
+        raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
+    if even:
         if rows % n:
             raise ValueError(f"{fn}: {arr_name} has {rows} rows, which do not split evenly over {n} ranks; pass {name}")
         return None
-    if not isinstance(splits, (list, tuple, np.ndarray)):
-        raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
     if len(splits) != n:
         raise ValueError(f"{fn}: {name} has {len(splits)} entries but the group has {n} ranks")
-    sizes = [s if type(s) is int else rank_int(s, fn, name) for s in splits]
-    if min(sizes) < 0:
+    counts, total, negative = [], 0, False
+    for s in splits:
+        if type(s) is not int:
+            s = rank_int(s, fn, name)
+        if s < 0:
+            negative = True
+        total += s
+        counts.append(s * row_elems)
+    if negative:
+        sizes = [s if type(s) is int else rank_int(s, fn, name) for s in splits]
         raise ValueError(f"{fn}: {name} must not contain negative sizes, got {sizes}")
-    total = sum(sizes)
     if total != rows:
         raise ValueError(f"{fn}: {name} sums to {total} but {arr_name} has {rows} rows")
-    return sizes if row_elems == 1 else [s * row_elems for s in sizes]
+    return counts
 
 
 def all_to_all_counts(
@@ -587,7 +604,7 @@ def all_reduce_coalesced(
     arrays = _flat_list(tensors, fn, "tensors", writeable=True, devices=devices)
     if not arrays:
         raise ValueError(f"{fn}: tensors must not be empty")
-    check_op(op, DTYPES[arrays[0].dtype].kind, arrays[0].dtype.name, fn)
+    check_op(op, DTYPES[arrays[0].dtype], fn)
     packed = _pack(arrays, arrays[0].dtype)
     backs, offset = [], 0
     for a in arrays:

@@ -496,7 +496,7 @@ def all_reduce_init(tensor: Any, op: Any = SUM, group: ProcessGroup | None = Non
     if pg is None:
         return absent(group, fn)
     buf, target = prepare_inout(tensor, fn, "tensor")
-    check_op(op, DTYPES[buf.dtype].kind, buf.dtype.name, fn)
+    check_op(op, DTYPES[buf.dtype], fn)
     staged = _staged(buf, target)
     return _made(pg, pg.all_reduce_init(buf, staged, op), staged, (tensor, buf))
 
@@ -525,7 +525,7 @@ def reduce_init(
     else:
         buf, source = prepare_source(tensor, fn, "tensor")
         fills, backs = _staged(buf, source), None
-    check_op(op, DTYPES[buf.dtype].kind, buf.dtype.name, fn)
+    check_op(op, DTYPES[buf.dtype], fn)
     return _made(pg, pg.reduce_init(buf, backs, op, root), fills, (tensor, buf))
 
 
@@ -565,7 +565,7 @@ def reduce_scatter_tensor_init(
     check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
         raise scattered_size_error(fn, out, inp, n)
-    check_op(op, DTYPES[out.dtype].kind, out.dtype.name, fn)
+    check_op(op, DTYPES[out.dtype], fn)
     plan = pg.reduce_scatter_tensor_init(out, _staged(out, target), inp, op)
     return _made(pg, plan, _staged(inp, source), (output, input, out, inp))
 

@@ -272,19 +272,16 @@ class ProcessGroup:
 
         Each backend involved issues its share inside its ``coalescing()`` block (NCCL: one group).
         """
-        works = []
+        level = world.debug_level
+        backends = [(self._route.get(type(op[1])) or self._levels("batch_isend_irecv", op[1]))[level] for op in ops]
+        distinct = dict.fromkeys(backends)  # in order of first use; mostly one
+        if len(distinct) == 1:
+            with backends[0].coalescing():
+                return _post_p2p(backends, ops)
         with contextlib.ExitStack() as batch:
-            entered: set[int] = set()
-            for is_send, buf, backs, peer, tag in ops:
-                backend = self._levels("batch_isend_irecv", buf)[world.debug_level]
-                if id(backend) not in entered:
-                    entered.add(id(backend))
-                    batch.enter_context(backend.coalescing())
-                if is_send:
-                    works.append(backend.send(buf, peer, tag))
-                else:
-                    works.append(backend.recv(buf, backs, peer, tag))
-        return works
+            for backend in distinct:
+                batch.enter_context(backend.coalescing())
+            return _post_p2p(backends, ops)
 
     # -- persistent operations (mpidist.persistent): routed like the one-off calls --------
     # Creation is rare, so it takes the general route, and always through the DebugBackend (index 1 of
@@ -394,6 +391,14 @@ class ProcessGroup:
             f"<ProcessGroup {self.group_name!r} backend={self.backend_name} "
             f"ranks={_short(self.ranks)} rank={self.rank()}{state}>"
         )
+
+
+def _post_p2p(backends: list[BaseBackend], ops: list[tuple[bool, Buffer, Backs, int, int]]) -> list[Work]:
+    """Post each ``(is_send, buffer, backs, peer, tag)`` of a batch on its backend; return the Works."""
+    return [
+        backend.send(buf, peer, tag) if is_send else backend.recv(buf, backs, peer, tag)
+        for backend, (is_send, buf, backs, peer, tag) in zip(backends, ops)
+    ]
 
 
 def _first_device(arrays: Any) -> DeviceArray | None:

@@ -12,7 +12,10 @@ import functools
 import numbers
 import warnings
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .arrays.dtypes import DtypeInfo
 
 __all__ = [
     "RedOpType",
@@ -261,11 +264,11 @@ def resolve(op: Any, fn: str) -> tuple[RedOpType, Any]:
     return base, factor
 
 
-def check_op(op: Any, kind: str, dtype_name: str, fn: str) -> None:
-    """Raise the error ``fn`` gives for ``op`` if it is not defined on ``kind`` arrays."""
+def check_op(op: Any, info: DtypeInfo, fn: str) -> None:
+    """Raise the error ``fn`` gives for ``op`` if it is not defined on arrays of ``info``'s dtype."""
     base, _ = resolve(op, fn)
-    if OP_TABLE[kind][base] is None:
-        raise invalid_op_error(fn, base, kind, dtype_name)
+    if OP_TABLE[info.kind][base] is None:
+        raise invalid_op_error(fn, base, info.kind, info.name)
 
 
 def invalid_op_error(fn: str, op: RedOpType, kind: str, dtype_name: str) -> ValueError:

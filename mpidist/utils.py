@@ -280,7 +280,7 @@ def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[Any, np.ndarray, A
             f"{fn}: reduce_op must be None, a ReduceOp such as ReduceOp.SUM, or a string such as 'sum' "
             f"or 'mean', got {type(reduce_op).__module__}.{type(reduce_op).__qualname__}"
         )
-    check_op(op, kind, arr.dtype.name, fn)
+    check_op(op, DTYPES[arr.dtype], fn)
     return result, arr, torch, op, divide
 
 

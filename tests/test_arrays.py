@@ -487,11 +487,13 @@ def test_wrong_number_of_splits():
     )  # fmt: skip
 
 
-def test_negative_split():
+@pytest.mark.parametrize("shape", [(8,), (8, 3)], ids=["rows of one element", "rows of three"])
+def test_negative_split(shape):
+    """The message shows the split sizes given (rows), not element counts."""
     splits = [-1] + [9] + [0] * (SIZE - 2) if SIZE > 1 else [-1]
     expect_error_then_working_group(
-        ValueError, r"^all_to_all_single: input_split_sizes must not contain negative sizes, got \[-1",
-        dist.all_to_all_single, np.zeros(8), np.zeros(8), None, splits,
+        ValueError, rf"^all_to_all_single: input_split_sizes must not contain negative sizes, got \{splits}$",
+        dist.all_to_all_single, np.zeros(shape), np.zeros(shape), None, splits,
     )  # fmt: skip
 
 
@@ -503,6 +505,11 @@ def test_split_sizes_of_the_wrong_type():
     expect_error_then_working_group(
         TypeError, r"^all_to_all_single: input_split_sizes must be an int",
         dist.all_to_all_single, np.zeros(8), np.zeros(8), None, [8.0] + [0] * (SIZE - 1),
+    )  # fmt: skip
+    # every entry is converted before the sizes are judged: a float after a negative size is the TypeError
+    expect_error_then_working_group(
+        TypeError, r"^all_to_all_single: input_split_sizes must be an int",
+        dist.all_to_all_single, np.zeros(8), np.zeros(8), None, [-1, 9.0] + [0] * (SIZE - 2) if SIZE > 1 else [-1.0],
     )  # fmt: skip
 
 

@@ -936,6 +936,23 @@ def test_public_api_mixed_group(fake_factory, monkeypatch):
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         c.equal("batch_isend_irecv", recv, np.full(2, float(prv)))
+        # one batch over both backends: host arrays go over MPI, device arrays as one NCCL group
+        log = fake_factory[-1].log
+        before = len(log)
+        hsend, hrecv, drecv = np.full(4, RANK, np.int32), np.zeros(4, np.int32), np.zeros(2)
+        ops = [
+            dist.P2POp(dist.isend, hsend, nxt, g),
+            dist.P2POp(dist.isend, HostCudaArray(np.full(2, RANK + 0.5)), nxt, g),
+            dist.P2POp(dist.irecv, hrecv, prv, g),
+            dist.P2POp(dist.irecv, HostCudaArray(drecv), prv, g),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        c.equal("mixed batch: host array", hrecv, np.full(4, prv, np.int32))
+        c.equal("mixed batch: device array", drecv, np.full(2, prv + 0.5))
+        c.equal("mixed batch: NCCL ran the device arrays as one group",
+                [e[0] for e in log[before:] if e[0] in ("groupStart", "groupEnd", "send", "recv")],
+                ["groupStart", "send", "recv", "groupEnd"])  # fmt: skip
     c.done()
 
 

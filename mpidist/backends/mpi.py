@@ -747,8 +747,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 req = self._ialltoall([inp, e.mpi], [out, e.mpi])
             else:
                 req = self.comm.Ialltoallv(
-                    [inp, list(in_counts), displacements(in_counts), e.mpi],
-                    [out, list(out_counts), displacements(out_counts), e.mpi],
+                    [inp, in_counts, displacements(in_counts), e.mpi],
+                    [out, out_counts, displacements(out_counts), e.mpi],
                 )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
