@@ -2,6 +2,7 @@
 
 Run:  git worktree add /tmp/before <commit>
       mpiexec -n 2 python benchmarks/bench_paired.py --before /tmp/before [--sizes 8 4096 262144] [--trials 41]
+          [--collectives all_reduce ... all_to_all_single_uneven all_reduce_coalesced batch_isend_irecv]
 
 On a shared machine two runs of the same code differ by more than a small
 regression, so a before/after comparison made of two separate runs cannot show
@@ -11,7 +12,9 @@ collective and size, five implementations in the same trials, in an order that
 rotates every trial:
 
 * ``raw``: the blocking mpi4py call; ``raw_nb``: its nonblocking variant, then
-  ``Test`` until done (the floor of a call with a timeout);
+  ``Test`` until done (the floor of a call with a timeout); for calls no single
+  mpi4py call does (``all_reduce_coalesced``: pack, reduce, unpack;
+  ``batch_isend_irecv``: ``Isend`` + ``Irecv``), the code a user would write;
 * ``now`` and ``before``: ``dist.<collective>(...)`` of this checkout and of ``--before``;
 
 each a batch of back-to-back calls started together on every rank (a raw
@@ -38,6 +41,8 @@ from mpi4py import MPI
 import mpidist as dist
 
 COLLECTIVES = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"]
+#: more calls, on request (--collectives): raw is what a user of mpi4py would write for the same result
+OTHERS = ["all_to_all_single_uneven", "all_reduce_coalesced", "batch_isend_irecv"]
 IMPLS = ["raw", "raw_nb", "now", "before"]
 
 
@@ -87,19 +92,78 @@ def calls(name: str, nbytes: int, comm: MPI.Comm, apis: dict[str, Any]) -> dict[
             raw = ([i, f32], [a, f32], MPI.SUM)
             block, start = comm.Reduce_scatter_block, comm.Ireduce_scatter_block
             mine = lambda api, a=a, i=i: api.reduce_scatter_tensor(a, i)  # noqa: E731
-        else:
+        elif name == "all_to_all_single":
             i, o = np.ones(count * n, np.float32), np.empty(count * n, np.float32)
             raw = ([i, f32], [o, f32])
             block, start = comm.Alltoall, comm.Ialltoall
             mine = lambda api, o=o, i=i: api.all_to_all_single(o, i)  # noqa: E731
-        if impl == "raw":
-            out[impl] = lambda block=block, raw=raw: block(*raw)
-        elif impl == "raw_nb":
-            out[impl] = nonblocking(start, *raw)
-        else:
+        elif name == "all_to_all_single_uneven":  # split sizes given (equal here, so raw is the same call)
+            i, o = np.ones(count * n, np.float32), np.empty(count * n, np.float32)
+            sizes, displs = [count] * n, [count * r for r in range(n)]
+            raw = ([i, sizes, displs, f32], [o, sizes, displs, f32])
+            block, start = comm.Alltoallv, comm.Ialltoallv
+            mine = lambda api, o=o, i=i, s=sizes: api.all_to_all_single(o, i, s, s)  # noqa: E731
+        elif name == "all_reduce_coalesced":  # two arrays of count / 2 elements: pack, reduce, unpack
+            b, c = np.ones((count + 1) // 2, np.float32), np.ones(count // 2, np.float32)
+            packed = np.empty(b.size + c.size, np.float32)
+            raw = (b, c, packed)
+            block = start = None
+            mine = lambda api, b=b, c=c: api.all_reduce_coalesced([b, c])  # noqa: E731
+        else:  # batch_isend_irecv: send to the next rank, receive from the previous one
+            o = np.empty(count, np.float32)
+            nxt, prv = (comm.Get_rank() + 1) % n, (comm.Get_rank() - 1) % n
+            raw = (a, o, nxt, prv)
+            block = start = None
+            mine = lambda api, a=a, o=o, nxt=nxt, prv=prv: ring(api, a, o, nxt, prv)  # noqa: E731
+        if impl in apis:
             api = apis[impl]
             out[impl] = lambda mine=mine, api=api: mine(api)
+        elif block is None:  # no one mpi4py call does it
+            out[impl] = by_hand(name, comm, impl, *raw)
+        elif impl == "raw":
+            out[impl] = lambda block=block, raw=raw: block(*raw)
+        else:
+            out[impl] = nonblocking(start, *raw)
     return out
+
+
+def ring(api: Any, a: np.ndarray, o: np.ndarray, nxt: int, prv: int) -> None:
+    """One ring exchange through ``api.batch_isend_irecv``, waited for."""
+    for w in api.batch_isend_irecv([api.P2POp(api.isend, a, nxt), api.P2POp(api.irecv, o, prv)]):
+        w.wait()
+
+
+def by_hand(name: str, comm: MPI.Comm, impl: str, *arrays: Any) -> Callable[[], None]:
+    """The mpi4py code a user would write for ``name`` (an entry of OTHERS): blocking (``raw``) or
+    nonblocking and tested until done (``raw_nb``)."""
+    f32 = MPI.FLOAT
+    if name == "all_reduce_coalesced":
+        b, c, packed = arrays
+        reduce = comm.Allreduce if impl == "raw" else nonblocking(comm.Iallreduce, MPI.IN_PLACE, [packed, f32], MPI.SUM)
+
+        def coalesced() -> None:
+            packed[: b.size] = b
+            packed[b.size :] = c
+            if impl == "raw":
+                reduce(MPI.IN_PLACE, [packed, f32], MPI.SUM)
+            else:
+                reduce()
+            b[...] = packed[: b.size]
+            c[...] = packed[b.size :]
+
+        return coalesced
+    a, o, nxt, prv = arrays
+    smsg, rmsg = [a, f32], [o, f32]
+
+    def exchange() -> None:
+        reqs = [comm.Isend(smsg, nxt), comm.Irecv(rmsg, prv)]
+        if impl == "raw":
+            MPI.Request.Waitall(reqs)
+        else:
+            while not MPI.Request.Testall(reqs):
+                pass
+
+    return exchange
 
 
 def paired(times: dict[str, list[float]], a: str, b: str) -> float:
@@ -121,7 +185,7 @@ def main() -> int:
     p.add_argument("--before", type=Path, help="a checkout of another mpidist version (its root directory)")
     p.add_argument("--same", action="store_true", help="compare this checkout with itself (the method's noise)")
     p.add_argument("--sizes", nargs="*", type=int, default=[8, 4096, 262144], help="bytes per rank")
-    p.add_argument("--collectives", nargs="*", default=COLLECTIVES, choices=COLLECTIVES)
+    p.add_argument("--collectives", nargs="*", default=COLLECTIVES, choices=COLLECTIVES + OTHERS)
     p.add_argument("--trials", type=int, default=41, help="interleaved trials (odd: a true median)")
     args = p.parse_args()
     if (args.before is None) == (not args.same):

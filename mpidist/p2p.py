@@ -175,12 +175,15 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     operations in list order per peer, as with ``isend``/``irecv``.
     """
     fn = "batch_isend_irecv"
-    if not isinstance(p2p_op_list, list) or not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+    if not isinstance(p2p_op_list, list) or not p2p_op_list:
         raise ValueError(f"{fn}: p2p_op_list must be a non-empty list of P2POp")
-    groups = {id(p.group) for p in p2p_op_list}
-    if len(groups) != 1:
-        raise ValueError(f"{fn}: all operations must use the same group")
-    pg = resolve_group(p2p_op_list[0].group, fn)
+    group = p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None
+    for p in p2p_op_list:
+        if not isinstance(p, P2POp):
+            raise ValueError(f"{fn}: p2p_op_list must be a non-empty list of P2POp")
+        if p.group is not group:
+            raise ValueError(f"{fn}: all operations must use the same group")
+    pg = resolve_group(group, fn)
     if pg is None:
         return []
     prepared = []

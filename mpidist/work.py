@@ -253,10 +253,12 @@ class Work:
         """
         if not self._done:
             limit = timeout_seconds(timeout, "Work.wait", self._timeout)
-            owner = self._owner
-            activity = (getattr(owner, "group_name", "?"), self._op, self._seq)
-            try:
-                finished = poll(self._test, limit, getattr(owner, "spins", SPINS_OVERSUBSCRIBED), activity)
+            try:  # one test first (a small operation is often complete), as poll would; else poll
+                finished = self._test()
+                if not finished:
+                    owner = self._owner
+                    activity = (getattr(owner, "group_name", "?"), self._op, self._seq)
+                    finished = poll(self._test, limit, getattr(owner, "spins", SPINS_OVERSUBSCRIBED), activity)
             except Exception as exc:
                 self._fail(self._owner.backend_error(self._op, self._seq, exc))
             else:

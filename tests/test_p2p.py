@@ -522,13 +522,16 @@ def test_p2pop_validation(make, rank, world_size):
 
 def test_batch_isend_irecv_validation(make, rank):
     x = make.zeros(2)
-    with pytest.raises(ValueError):
+    not_ops = r"^batch_isend_irecv: p2p_op_list must be a non-empty list of P2POp$"
+    with pytest.raises(ValueError, match=not_ops):
         dist.batch_isend_irecv([])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=not_ops):
         dist.batch_isend_irecv((dist.P2POp(dist.isend, x, rank),))  # a tuple, not a list
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=not_ops):
         dist.batch_isend_irecv([dist.P2POp(dist.isend, x, rank), "not an op"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=not_ops):
+        dist.batch_isend_irecv(["not an op", dist.P2POp(dist.isend, x, rank)])
+    with pytest.raises(ValueError, match=not_ops):
         dist.batch_isend_irecv(dist.P2POp(dist.isend, x, rank))  # a single op, not a list
 
 
@@ -568,8 +571,12 @@ def test_batch_isend_irecv_validates_every_op_before_posting(make, rank, world_s
 def test_batch_isend_irecv_ops_of_different_groups_raise(make, rank, world_size):
     g = dist.new_group(None)
     x = make.zeros(2)
-    with pytest.raises(ValueError):
+    same = r"^batch_isend_irecv: all operations must use the same group$"
+    with pytest.raises(ValueError, match=same):
         dist.batch_isend_irecv([dist.P2POp(dist.isend, x, rank), dist.P2POp(dist.irecv, x, rank, group=g)])
+    with pytest.raises(ValueError, match=same):  # an op of another group after two of one group
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, x, rank, group=g), dist.P2POp(dist.irecv, x, rank, group=g),
+                                dist.P2POp(dist.irecv, x, rank)])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from ..errors import DistBackendError
 from ..launch import abort
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
 
+_NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every coalescing() that groups nothing
+
 
 class PersistentPlan:
     """What a backend makes for a persistent operation; ``mpidist.persistent.Persistent`` runs it.
@@ -194,7 +196,7 @@ class BaseBackend(ABC):
 
     def coalescing(self) -> ContextManager[None]:
         """A block whose sends and receives the backend may issue as one group (NCCL); by default nothing."""
-        return contextlib.nullcontext()
+        return _NOTHING
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
