@@ -14,7 +14,7 @@ import zlib
 from datetime import timedelta
 from typing import Any, Sequence
 
-from ._validate import timeout_arg
+from ._validate import bool_arg, timeout_arg
 from ._world import world
 from .backends.base import BaseBackend
 from .backends.registry import (
@@ -142,7 +142,8 @@ class _DeviceMaker:
         return MPIDeviceBackend(self.first)
 
 
-def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:
+def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks", sort: bool = True) -> list[int]:
+    """``ranks`` checked (ints in the world, no repeats), sorted unless ``sort`` is False (then in the order given)."""
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple, range, set, frozenset)):
         raise TypeError(f"{fn}: {arg} must be a list of int ranks, got {type(ranks).__name__}")
     out = [rank_int(r, fn, arg) for r in ranks]
@@ -152,7 +153,7 @@ def _rank_list(ranks: Any, size: int, fn: str, arg: str = "ranks") -> list[int]:
     if len(set(out)) != len(out):
         dups = sorted({r for r in out if out.count(r) > 1})
         raise ValueError(f"{fn}: {arg} lists rank(s) {dups} more than once")
-    return sorted(out)
+    return sorted(out) if sort else out
 
 
 def _group_settings(fn: str, timeout: Any, backend: Any) -> tuple[ProcessGroup, timedelta, dict[str, str], str]:
@@ -173,12 +174,15 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
+    sort_ranks: bool = True,
 ) -> ProcessGroup | Any:
     """Create a process group of the global ``ranks`` (all ranks if None).
 
     Every rank of the default group must call it, in the same order, unless
     ``use_local_synchronization=True``: then only the members call it (MPI's
-    group-local communicator creation). Group ranks follow the sorted global ranks.
+    group-local communicator creation). Group ranks follow the sorted global ranks,
+    or with ``sort_ranks=False`` the order of ``ranks`` (group rank ``i`` is
+    ``ranks[i]``; every caller must then pass the same list in the same order).
 
     Returns the new ProcessGroup on members and ``GroupMember.NON_GROUP_MEMBER``
     elsewhere; collectives on that are no-ops and ``get_rank`` of it is -1.
@@ -187,11 +191,14 @@ def new_group(
 
         >>> odd = dist.new_group([1, 3])
         >>> dist.get_rank(odd)      # 0 on rank 1, 1 on rank 3, -1 on ranks 0 and 2
+        >>> rev = dist.new_group([1, 0], sort_ranks=False)
+        >>> dist.get_global_rank(rev, 0)   # 1 on ranks 0 and 1
     """
     fn = "new_group"
+    sort_ranks = bool_arg(sort_ranks, fn, "sort_ranks")
     default, td, devices, requested = _group_settings(fn, timeout, backend)
     size = default.size()
-    members = list(range(size)) if ranks is None else _rank_list(ranks, size, fn)
+    members = list(range(size)) if ranks is None else _rank_list(ranks, size, fn, sort=sort_ranks)
     me = world.default_pg.rank() if world.default_pg is not None else -1
     control = world.control_comm
     with world.lock:

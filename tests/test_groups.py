@@ -151,6 +151,98 @@ def test_new_group_unsorted_ranks_give_sorted_group_ranks(rank, world_size):
     check_member(g, members, rank)
 
 
+def unsorted_order(order: str, n: int) -> list[int]:
+    return {
+        "reversed": list(range(n))[::-1],
+        "rotated": list(range(1, n)) + [0],
+        "last_then_first": [n - 1, 0],
+    }[order]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("order", ["reversed", "rotated", "last_then_first"])
+def test_new_group_sort_ranks_false_keeps_the_order_given(order, rank, world_size):
+    """torch's sort_ranks=False: group rank i is ranks[i], and collectives follow that order."""
+    given = unsorted_order(order, world_size)
+    m = len(given)
+    g = dist.new_group(given, sort_ranks=False)
+    listed = [np.full(2, -1, np.int64) for _ in given]
+    flat = np.full(m, -1, np.int64)
+    dist.all_gather(listed, np.array([rank, 7], np.int64), group=g)
+    dist.all_gather_into_tensor(flat, np.array([rank], np.int64), group=g)
+    sources = []
+    for group_src in range(m):
+        x = np.array([rank], np.int64)
+        dist.broadcast(x, group=g, group_src=group_src)
+        sources.append(int(x[0]))
+    at_dst = [np.full(1, -1, np.int64) for _ in given] if rank == given[0] else None
+    dist.gather(np.array([rank], np.int64), at_dst, group=g, group_dst=0)
+    if rank not in given:
+        check_non_member(g)
+        assert_equal(flat, np.full(m, -1, np.int64))
+        return
+    check_member(g, given, rank)  # pg.ranks, get_group_rank/get_global_rank and MPI's own rank order
+    assert_equal(np.stack(listed), np.array([[r, 7] for r in given], np.int64))
+    assert_equal(flat, np.array(given, np.int64))
+    assert sources == given
+    if at_dst is not None:
+        assert_equal(np.concatenate(at_dst), np.array(given, np.int64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_new_group_sort_ranks_false_with_local_synchronization(rank, world_size):
+    """Only the members call; their communicator still has the order given."""
+    evens, odds = list(range(0, world_size, 2))[::-1], list(range(1, world_size, 2))[::-1]
+    mine = evens if rank % 2 == 0 else odds
+    g = dist.new_group(mine, use_local_synchronization=True, sort_ranks=False)
+    y = np.zeros(len(mine), np.int64)
+    dist.all_gather_into_tensor(y, np.array([rank], np.int64), group=g)
+    x = np.array([rank], np.int64)
+    dist.broadcast(x, group=g, group_src=0)
+    assert_equal(y, np.array(mine, np.int64))
+    assert_equal(x, np.array([mine[0]], np.int64))
+    check_member(g, mine, rank)
+
+
+@pytest.mark.parametrize(
+    "ranks, flag, expect",
+    [
+        ("reversed", None, "sorted"),
+        ("reversed", True, "sorted"),
+        ("reversed", np.True_, "sorted"),
+        ("reversed", np.False_, "given"),
+        ("reversed", 0, "given"),
+        (None, False, "sorted"),
+    ],
+    ids=["default", "True", "numpy_True", "numpy_False", "int_0", "all_ranks_False"],
+)
+def test_new_group_sort_ranks_values(ranks, flag, expect, rank, world_size):
+    """The default (and any true value) sorts as before; ranks=None is the world in order either way."""
+    given = None if ranks is None else list(range(world_size))[::-1]
+    kwargs = {} if flag is None else {"sort_ranks": flag}
+    g = dist.new_group(given, **kwargs)
+    x = np.zeros(world_size, np.int64)
+    dist.all_gather_into_tensor(x, np.array([rank], np.int64), group=g)
+    members = given if expect == "given" else list(range(world_size))
+    assert_equal(x, np.array(members, np.int64))
+    check_member(g, members, rank)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["collective", "local"])
+@pytest.mark.parametrize(
+    "bad", ["no", None, 1.5, [False], np.array([True, False])], ids=["str", "None", "float", "list", "array"]
+)
+def test_new_group_sort_ranks_of_wrong_type_raises_type_error(bad, local, rank, world_size):
+    count = dist.get_pg_count()
+    with pytest.raises(TypeError, match=r"^new_group: sort_ranks must be a bool, got "):
+        dist.new_group(list(range(world_size)), sort_ranks=bad, use_local_synchronization=local)
+    assert dist.get_pg_count() == count
+    g = dist.new_group()  # nothing was posted: the next group still lines up
+    x = np.ones(1, np.int64)
+    dist.all_reduce(x, group=g)
+    assert_equal(x, np.array([world_size], np.int64))
+
+
 @pytest.mark.parametrize("ranks", [[0, 0], [0, 1, 0]], ids=["0,0", "0,1,0"])
 def test_new_group_duplicate_ranks_raise(ranks, rank, world_size):
     ranks = [min(r, world_size - 1) for r in ranks]
