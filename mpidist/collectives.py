@@ -222,7 +222,7 @@ def all_gather(
     _check_own_size(fn, outs[pg._rank], "tensor_list", pg._rank, inp, "tensor")
     w = pg.all_gather(outs, backs or None, inp, async_op)
     if w is not None:
-        w._outputs = [tensor_list]
+        w._outputs = list(tensor_list)
     return w
 
 
@@ -327,7 +327,7 @@ def gather(
     outs, backs = _root_list(pg, root, gather_list, fn, "gather_list", "destination", inp, True)
     w = pg.gather(inp, outs, backs or None, root, async_op)
     if w is not None:
-        w._outputs = [gather_list] if pg._rank == root else []
+        w._outputs = list(gather_list) if pg._rank == root else []
     return w
 
 
@@ -536,7 +536,7 @@ def all_to_all(
         )
     w = pg.all_to_all(outs, backs or None, ins, async_op)
     if w is not None:
-        w._outputs = [output_tensor_list]
+        w._outputs = list(output_tensor_list)
     return w
 
 

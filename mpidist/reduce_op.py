@@ -41,6 +41,12 @@ class RedOpType(IntEnum):
     PREMUL_SUM = 8
     UNUSED = 9
 
+    def __str__(self) -> str:  # torch's: "RedOpType.AVG" (an IntEnum prints "1" from Python 3.11 on)
+        return f"RedOpType.{self.name}"
+
+    def __format__(self, spec: str) -> str:  # f"{op}" as str(op); with a spec ("{op:d}"), the number's format
+        return str(self) if not spec else int.__format__(self, spec)
+
 
 class ReduceOp:
     """An enum-like class of reductions: ``ReduceOp.SUM``, ``ReduceOp.MAX``, ...
@@ -244,14 +250,41 @@ OP_TABLE: dict[str, tuple[tuple[Prim, Post] | None, ...]] = {k: _build(k) for k 
 _KIND_WORDS = {"b": "bool", "i": "signed integer", "u": "unsigned integer", "f": "floating-point", "c": "complex"}
 
 
+def foreign_op(op: Any) -> RedOpType | ReduceOp | None:
+    """mpidist's op for torch's own (``torch.distributed.ReduceOp.MAX``, ``ReduceOp(...)``,
+    ``_make_nccl_premul_sum(f)``): a program that kept ``from torch.distributed import ReduceOp``
+    passes those. None for anything else.
+
+    Matched by name and number (the same as torch's), so this module never imports torch.
+
+    Example::
+
+        >>> from torch.distributed import ReduceOp as TorchReduceOp
+        >>> foreign_op(TorchReduceOp.MAX)
+        <RedOpType.MAX: 4>
+    """
+    inner = getattr(op, "op", None)  # torch's ReduceOp objects hold the kind in .op (and .factor)
+    kind = op if inner is None else inner
+    name = getattr(kind, "name", None)
+    mine = RedOpType.__members__.get(name) if type(name) is str else None
+    if mine is None or getattr(kind, "value", None) != mine.value:
+        return None
+    if inner is not None and mine is RedOpType.PREMUL_SUM:
+        return ReduceOp(mine, op.factor)
+    return mine
+
+
 def resolve(op: Any, fn: str) -> tuple[RedOpType, Any]:
-    """Return ``(op type, premul factor or None)`` for an ``op`` argument, or raise."""
+    """Return ``(op type, premul factor or None)`` for an ``op`` argument (mpidist's or torch's), or raise."""
     if type(op) is RedOpType:
         base, factor = op, None
     elif isinstance(op, ReduceOp):
         base, factor = op.op, op.factor
     else:
-        raise TypeError(f"{fn}: op must be a ReduceOp such as ReduceOp.SUM, got {op!r}")
+        mine = foreign_op(op)
+        if mine is None:
+            raise TypeError(f"{fn}: op must be a ReduceOp such as ReduceOp.SUM, got {op!r}")
+        return resolve(mine, fn)
     if base is RedOpType.UNUSED:
         raise ValueError(f"{fn}: ReduceOp.UNUSED is not a reduction")
     if base is RedOpType.PREMUL_SUM:

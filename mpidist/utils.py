@@ -42,7 +42,7 @@ from .collectives import all_gather_into_tensor, all_reduce
 from .init import get_rank, init_process_group, is_initialized
 from .launch.environment import free_port
 from .process_group import ProcessGroup, resolve_group
-from .reduce_op import RedOpType, ReduceOp, check_op
+from .reduce_op import RedOpType, ReduceOp, check_op, foreign_op
 
 __all__ = [
     "distributed_available",
@@ -275,7 +275,7 @@ def _sync_args(result: Any, reduce_op: Any, fn: str) -> tuple[Any, np.ndarray, A
             )
     elif type(reduce_op) is RedOpType or isinstance(reduce_op, ReduceOp):
         op = reduce_op
-    else:
+    elif (op := foreign_op(reduce_op)) is None:  # not torch's own ReduceOp either
         raise TypeError(
             f"{fn}: reduce_op must be None, a ReduceOp such as ReduceOp.SUM, or a string such as 'sum' "
             f"or 'mean', got {type(reduce_op).__module__}.{type(reduce_op).__qualname__}"

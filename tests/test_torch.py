@@ -839,8 +839,8 @@ def test_async_work_gives_back_the_callers_tensors():
     if not x.requires_grad:
         problems.append("requires_grad was dropped")
     got3 = w3.result()
-    if len(got3) != 1 or got3[0] is not out_list:
-        problems.append("all_gather result() should hold the caller's list")
+    if len(got3) != n or not all(got is o for got, o in zip(got3, out_list)):
+        problems.append("all_gather result() should be the caller's arrays, a flat list as gloo's")
     for r in range(n):
         expect(problems, f"all_gather [{r}]", out_list[r], rank_input(r, (4,), F8, 2))
     if w4.result()[0] is not view:
@@ -1020,4 +1020,49 @@ def test_tensors_stay_resizable_after_a_collective():
             problems.append(f"{dtype}: {exc}")
         if not torch.equal(t[:4], torch.full((4,), SIZE, dtype=dtype)):
             problems.append(f"{dtype}: {t}")
+    fail_together(problems)
+
+
+# -- torch's own ReduceOp -------------------------------------------------------------------
+
+
+def test_torchs_own_reduce_ops_are_taken():
+    """A program that kept ``from torch.distributed import ReduceOp`` passes torch's ops: each means the same
+    reduction as mpidist's of that name, in every call that takes an op (numpy references)."""
+    import torch.distributed as tdist
+
+    T = tdist.ReduceOp
+    n, problems = SIZE, []
+    ranks = np.arange(1, n + 1, dtype=np.float64)  # rank r contributes r + 1
+    cases = {
+        "SUM": (T.SUM, ranks.sum()), "AVG": (T.AVG, ranks.mean()), "PRODUCT": (T.PRODUCT, ranks.prod()),
+        "MIN": (T.MIN, 1.0), "MAX": (T.MAX, float(n)), "ReduceOp(MAX)": (T(T.MAX), float(n)),
+        "premul_sum(2.0)": (tdist._make_nccl_premul_sum(2.0), 2 * ranks.sum()),
+    }  # fmt: skip
+    for name, (op, want) in cases.items():
+        x = mk(np.full(3, RANK + 1.0))
+        dist.all_reduce(x, op=op)
+        expect(problems, f"all_reduce {name}", x, np.full(3, want))
+        y = np.full(2, RANK + 1.0)
+        dist.reduce(y, dst=0, op=op)
+        if RANK == 0:
+            expect(problems, f"reduce {name}", y, np.full(2, want))
+        out = np.zeros(2)
+        dist.reduce_scatter_tensor(out, np.full(2 * n, RANK + 1.0), op=op)
+        expect(problems, f"reduce_scatter_tensor {name}", out, np.full(2, want))
+        a, b = np.full(2, RANK + 1.0), np.full(1, RANK + 1.0)
+        dist.all_reduce_coalesced([a, b], op=op)
+        expect(problems, f"all_reduce_coalesced {name}", np.concatenate([a, b]), np.full(3, want))
+        with dist.all_reduce_init(p := np.full(2, RANK + 1.0), op=op) as persistent:
+            persistent.start().wait()
+        expect(problems, f"all_reduce_init {name}", p, np.full(2, want))
+    got = dist.sync_ddp(mk(np.array(RANK + 1.0)), reduce_op=T.MAX)
+    expect(problems, "sync_ddp MAX", got, np.array(float(n)))
+    for bad in (4, "max", T):  # a plain number, a name, the class: still refused, as by torch
+        problems += check_raises(TypeError, r"^all_reduce: op must be a ReduceOp", dist.all_reduce, np.ones(2), op=bad)
+    problems += check_raises(
+        ValueError, r"^all_reduce: ReduceOp.BAND is not defined for float64", dist.all_reduce, np.ones(2), op=T.BAND
+    )
+    if [str(R.AVG), f"{R.MAX}", f"{R.MAX:d}"] != [str(T.AVG), f"{T.MAX}", "4"]:
+        problems.append(f"str/format of ReduceOp: {[str(R.AVG), f'{R.MAX}', f'{R.MAX:d}']}, torch {str(T.AVG)}")
     fail_together(problems)

@@ -223,6 +223,43 @@ def test_coalesced_and_async_forms(pg):
     fail_together(problems)
 
 
+def _result_shapes(work: Any) -> tuple[list[Any], list[Any]]:
+    """The structure of a Work's ``result()`` and of its Future's value: "T" for a tensor, lists kept."""
+
+    def shape(v: Any) -> Any:
+        return [shape(x) for x in v] if isinstance(v, list) else type(v).__name__[0]
+
+    work.wait()
+    return shape(work.result()), shape(work.get_future().value())
+
+
+def test_list_collectives_results_have_gloos_structure(pgs):
+    """``result()`` and the Future of all_gather, gather, scatter and all_to_all: the flat list of output tensors
+    that gloo gives (the caller's tensors), not the list wrapped in another list."""
+    problems = []
+    structures = {}
+    for name, group in zip(("mpidist", "gloo"), pgs):
+        outs = [torch.zeros(2) for _ in range(SIZE)]
+        gathered = [torch.zeros(2) for _ in range(SIZE)] if RANK == 0 else None
+        works = {
+            "all_gather": tdist.all_gather(outs, torch.ones(2), group=group, async_op=True),
+            "gather": tdist.gather(torch.ones(2), gathered, dst=0, group=group, async_op=True),
+            "scatter": tdist.scatter(
+                torch.zeros(2), [torch.ones(2)] * SIZE if RANK == 0 else None, src=0, group=group, async_op=True
+            ),  # fmt: skip
+            "all_to_all": tdist.all_to_all(
+                [torch.zeros(2) for _ in range(SIZE)], [torch.ones(2)] * SIZE, group=group, async_op=True
+            ),  # fmt: skip
+        }
+        structures[name] = {op: _result_shapes(w) for op, w in works.items()}
+        if name == "mpidist" and not all(a is b for a, b in zip(works["all_gather"].result(), outs)):
+            problems.append("all_gather result() is not the caller's tensors")
+    for op in structures["gloo"]:
+        if structures["mpidist"][op] != structures["gloo"][op]:
+            problems.append(f"{op}: mpidist gives {structures['mpidist'][op]}, gloo {structures['gloo'][op]}")
+    fail_together(problems)
+
+
 def test_point_to_point(pg):
     problems = []
     if SIZE > 1:

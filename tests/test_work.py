@@ -88,9 +88,26 @@ def test_result_lists_the_outputs(rank):
     outs = [np.zeros(2, np.int64) for _ in range(SIZE)]
     w = dist.all_gather(outs, np.full(2, rank, np.int64), async_op=True)
     w.wait()
-    assert w.result()[0] is outs
+    # the caller's arrays themselves, in a flat list, as torch's gloo gives (not the list inside a list)
+    assert len(w.result()) == SIZE and all(got is o for got, o in zip(w.result(), outs))
+    assert w.get_future().value() == w.result()
     for r, o in enumerate(outs):
         np.testing.assert_array_equal(o, [r, r])
+
+    outs = [np.zeros(2, np.int64) for _ in range(SIZE)]
+    w = dist.all_to_all(outs, [np.full(2, rank * 10 + r, np.int64) for r in range(SIZE)], async_op=True)
+    w.wait()
+    assert len(w.result()) == SIZE and all(got is o for got, o in zip(w.result(), outs))
+    for r, o in enumerate(outs):
+        np.testing.assert_array_equal(o, [r * 10 + rank] * 2)
+
+    outs = [np.zeros(2, np.int64) for _ in range(SIZE)] if rank == 0 else None
+    w = dist.gather(np.full(2, rank, np.int64), outs, dst=0, async_op=True)
+    w.wait()
+    if rank == 0:
+        assert len(w.result()) == SIZE and all(got is o for got, o in zip(w.result(), outs))
+    else:
+        assert w.result() == []
 
 
 def test_synchronize_is_wait():

@@ -203,7 +203,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
         outs = _one(output_tensors, "allgather", "output_tensors")
         w = collectives.all_gather(outs, _one(input_tensors, "allgather", "input_tensors"), self._lane(), opts.asyncOp)
-        return self._work(w, output_tensors, "allgather")
+        return self._work(w, outs, "allgather")  # the Future holds the list of tensors, as gloo's
 
     def all_gather_single(self, output: Any, input: Any, opts: Any) -> TorchWork | None:
         w = collectives.all_gather_into_tensor(output, input, self._lane(), opts.asyncOp)
@@ -227,7 +227,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         root = opts.rootRank
         outs = _one(output_tensors, "gather", "output_tensors") if self.rank() == root else None
         w = collectives.gather(inp, outs, group=self._lane(), async_op=opts.asyncOp, group_dst=root)
-        return self._work(w, output_tensors, "gather")
+        return self._work(w, outs or [], "gather")  # the root's list of tensors, as gloo's; [] elsewhere
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any) -> TorchWork | None:
         out = _one(output_tensors, "scatter", "output_tensors")
