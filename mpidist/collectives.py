@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._validate import bool_arg, timeout_seconds
+from ._validate import bool_arg, int_arg, timeout_seconds
 from ._world import world
 from .arrays.host import (
     DTYPES,
@@ -412,6 +412,9 @@ def reduce_scatter_tensor(
 reduce_scatter_single = reduce_scatter_tensor
 
 
+_ANY_SIZE = -(1 << 63)  # split sizes are checked for negatives after conversion, with their own message
+
+
 def _split_counts(
     splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str
 ) -> list[int] | None:
@@ -437,13 +440,13 @@ def _split_counts(
     counts, total, negative = [], 0, False
     for s in splits:
         if type(s) is not int:
-            s = rank_int(s, fn, name)
+            s = int_arg(s, fn, name, minimum=_ANY_SIZE)
         if s < 0:
             negative = True
         total += s
         counts.append(s * row_elems)
     if negative:
-        sizes = [s if type(s) is int else rank_int(s, fn, name) for s in splits]
+        sizes = [s if type(s) is int else int_arg(s, fn, name, minimum=_ANY_SIZE) for s in splits]
         raise ValueError(f"{fn}: {name} must not contain negative sizes, got {sizes}")
     if total != rows:
         raise ValueError(f"{fn}: {name} sums to {total} but {arr_name} has {rows} rows")
