@@ -237,6 +237,11 @@ class Work:
                 self._complete()
         return self._done
 
+    def act_as(self, owner: Any, op: str, seq: int) -> None:
+        """Wait, report and fail as call ``op`` (number ``seq``) of ``owner``: a Work of library traffic
+        that a rank waits in on behalf of a user's call (DETAIL's check of that call, ``diagnose.debug``)."""
+        self._owner, self._op, self._seq = owner, op, seq
+
     def default_timeout(self, timeout_s: float) -> None:
         """Make ``timeout_s`` (seconds, already checked) the limit of a ``wait()`` given no timeout of its own.
 

@@ -955,6 +955,89 @@ def test_detail_check_respects_the_group_timeout(rank, world_size):
     fail_together(problems)
 
 
+def _detail_call(op: str, g: dist.ProcessGroup) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(np.ones(4), group=g)
+    elif op == "barrier":
+        dist.barrier(group=g)
+    else:  # pragma: no cover
+        raise AssertionError(op)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["all_reduce", "barrier"])
+def test_detail_check_timeout_names_the_users_call(rank, world_size, op):
+    """Rank 1 arrives late: the others' check times out with the error of the user's call (as at OFF), not the
+    check's exchange on the control communicator; the ranks that wait in the check report the user's call."""
+    timeout = 1.0
+    g = dist.new_group(timeout=timedelta(seconds=timeout))
+    seq = calls_issued(g) + 1
+    name = re.escape(g.group_name)
+    dist.set_debug_level(L.DETAIL)
+    problems: list[str] = []
+    if rank == 1:
+        time.sleep(timeout + 1.0)  # past the others' timeout and their survey: not inside mpidist
+    else:
+        try:
+            _detail_call(op, g)
+            problems.append(f"{op} with a late rank did not raise")
+        except DistBackendError as exc:
+            text = str(exc)
+            patterns = [
+                rf"^{op} \(call #{seq}\) on group {name} \(mpi, rank {g.rank()} of {g.size()}\) did not complete "
+                rf"within the timeout of 1 s\. ",
+                r"Rank 1: no answer \(not waiting in an mpidist call",
+                r"The group is unusable now \(the call is still pending inside MPI\)",
+            ]
+            patterns += [
+                rf"Rank {r}: waiting in {op} \(call #{seq}\) on group {name}\."
+                for r in range(world_size)
+                if r not in (1, rank)
+            ]
+            problems += [f"message {text!r} does not match {p!r}" for p in patterns if not re.search(p, text)]
+            if "control" in text or "all_gather" in text:
+                problems.append(f"message names the check's exchange: {text}")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
+    dist.set_debug_level(L.OFF)
+    dist.destroy_process_group(g)  # unusable now on the ranks that timed out
+    problems += _still_in_step(dist.group.WORLD, world_size, rank, "world after the timeout")
+    fail_together(problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_detail_rank_waiting_in_the_check_reports_the_users_call(rank, world_size):
+    """Rank 1's receive times out while the others wait in DETAIL's check of an all_reduce: its error says
+    they wait in that all_reduce on the group (as at OFF), not in the check's exchange."""
+    g = dist.new_group(timeout=timedelta(seconds=30))
+    seq = calls_issued(g) + 1
+    dist.set_debug_level(L.DETAIL)
+    problems: list[str] = []
+    if rank == 1:
+        try:
+            dist.irecv(np.empty(1), src=0, tag=7, group=g).wait(timeout=timedelta(seconds=1))
+            problems.append("irecv without a send did not time out")
+        except DistBackendError as exc:
+            text = str(exc)
+            for r in range(world_size):
+                want = rf"Rank {r}: waiting in all_reduce \(call #{seq}\) on group {re.escape(g.group_name)}\."
+                if r != 1 and not re.search(want, text):
+                    problems.append(f"message {text!r} does not match {want!r}")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            problems.append(f"irecv raised {type(exc).__name__} instead of DistBackendError: {exc}")
+    x = np.full(3, rank + 1.0)
+    try:
+        dist.all_reduce(x, group=g)  # rank 1 joins the others, who waited in the check meanwhile
+        want = world_size * (world_size + 1) / 2
+        if not np.array_equal(x, np.full(3, want)):
+            problems.append(f"all_reduce gave {x}, expected {want}")
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        problems.append(f"all_reduce raised {type(exc).__name__}: {exc}")
+    dist.set_debug_level(L.OFF)
+    dist.destroy_process_group(g)
+    fail_together(problems)
+
+
 # ---------------------------------------------------------------------------------------
 # verdict: the rules on plain data (rank-local)
 # ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .._object_wire import gather_all
 from .._world import world
 from ..backends.base import BaseBackend, PersistentPlan, WrapperBackend
 from ..errors import DistError
+from ..work import Work
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env", "DebugBackend"]
 
@@ -239,6 +240,62 @@ def verdict(calls: list[Call]) -> str | None:
     return None
 
 
+#: what the timeout error of a call adds when the time ran out in DETAIL's check of it
+_CHECK_TIMED_OUT = (
+    "The time ran out while the ranks compared their calls (debug level DETAIL checks each call), "
+    "before this call started."
+)
+
+
+class _AsCall:
+    """The group's control backend as DETAIL's check of one call uses it: waited for as that call.
+
+    ``gather_all`` moves the ranks' descriptions through this object. A rank
+    waits in the exchange because a peer has not reached the call yet, so the
+    wait is the user's call: the control's Works are relabelled and owned by this
+    object, so that this rank reports that call (operation, the user's group,
+    the group's sequence number) to a rank that asks what it waits in, and a
+    timeout raises the error the call raises at debug level OFF, with
+    ``_CHECK_TIMED_OUT`` added. The control backend keeps what MPI still uses
+    (``DebugBackend.pending`` counts it).
+    """
+
+    __slots__ = ("debug", "control", "op", "seq", "size", "global_ranks", "group_name", "spins")
+
+    def __init__(self, debug: DebugBackend, op: str, seq: int) -> None:
+        control = debug.pg.control
+        self.debug, self.control, self.op, self.seq = debug, control, op, seq
+        self.size, self.global_ranks = control.size, control.global_ranks  # what gather_all reads
+        self.group_name, self.spins = debug.group_name, control.spins  # what a Work reads of its owner
+
+    # -- gather_all's calls: the control's, waited for as the user's call
+    def all_gather_into_tensor(self, out: np.ndarray, backs: Any, inp: np.ndarray, async_op: bool) -> Any:
+        return self._as_call(self.control.all_gather_into_tensor(out, backs, inp, True), async_op)
+
+    def all_gather(self, outs: Sequence[np.ndarray], backs: Any, inp: np.ndarray, async_op: bool) -> Any:
+        return self._as_call(self.control.all_gather(outs, backs, inp, True), async_op)
+
+    def _as_call(self, work: Work, async_op: bool) -> Work | None:
+        work.act_as(self, self.op, self.seq)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- what a Work asks of its owner
+    def timeout_failure(self, op: str, seq: int, timeout_s: float, note: str = "", settled: bool = False) -> Any:
+        return self.debug.timeout_failure(op, seq, timeout_s, f"{_CHECK_TIMED_OUT} {note}".strip(), settled)
+
+    def backend_error(self, op: str, seq: int, exc: BaseException) -> Any:
+        return self.debug.backend_error(op, seq, exc)
+
+    def keep_stuck(self, reqs: Any, keep: Any) -> None:
+        self.control.keep_stuck(reqs, keep)
+
+    def adopt(self, reqs: Any, keep: Any) -> None:
+        self.control.adopt(reqs, keep)
+
+
 class DebugBackend(WrapperBackend):
     """Wraps one backend of a group: traces each call (INFO) and checks it across ranks (DETAIL).
 
@@ -251,9 +308,10 @@ class DebugBackend(WrapperBackend):
         super().__init__(inner)
         self.pg = pg
 
-    def _run(self, call: Call, nbytes: int, start: Callable[[], Any], mode: str | None = None) -> Any:
+    def _run(self, call: Call, nbytes: int, start: Callable[[], Any], mode: str | None = None,
+             label: str | None = None) -> Any:  # fmt: skip
         if world.debug_level >= DebugLevel.DETAIL:
-            self._check(call)
+            self._check(call, label)
         t0 = time.perf_counter()
         result = start()
         if world.debug_level >= DebugLevel.INFO:
@@ -266,8 +324,12 @@ class DebugBackend(WrapperBackend):
             )
         return result
 
-    def _check(self, call: Call) -> None:
-        calls = gather_all(self.pg.control, call)
+    def _check(self, call: Call, label: str | None = None) -> None:
+        """Compare ``call`` with the other ranks' calls; ``label``: the call's name in a timeout error, if not its op.
+
+        The exchange runs on the group's control backend, waited for as the user's call (:class:`_AsCall`).
+        """
+        calls = gather_all(_AsCall(self, label or call.op, call.seq), call)
         failed = [(i, c.error) for i, c in enumerate(calls) if c.error is not None]
         if failed:
             if call.error is not None:
@@ -283,6 +345,10 @@ class DebugBackend(WrapperBackend):
                 f"{call.op} (call #{call.seq}) on group {self.pg.group_name}: {reason}: {_listing(calls)}. "
                 "Nothing was sent; the group is still usable."
             )
+
+    def pending(self) -> bool:
+        """The inner backend's pending calls, and an exchange of a DETAIL check that timed out (on the control)."""
+        return self.inner.pending() or self.pg.control.pending()
 
     def share_failure(self, op: str, exc: Exception) -> None:
         """Put this rank's failed check of call ``op`` into the DETAIL exchange the other ranks are in."""
@@ -405,7 +471,8 @@ class DebugBackend(WrapperBackend):
         if plan.p2p:
             self._trace(f"start of {plan.text} (p2p#{plan.seq})", plan.nbytes, go, " (started)")
             return
-        self._run(Call(f"start of {plan.op}", plan.seq, f"start of {plan.text}"), plan.nbytes, go, " (started)")
+        call = Call(f"start of {plan.op}", plan.seq, f"start of {plan.text}")
+        self._run(call, plan.nbytes, go, " (started)", label=plan.op)  # a timeout names it as at OFF
 
     def broadcast_init(self, buf: np.ndarray, backs: Any, root: int) -> PersistentPlan:
         call = self._broadcast_call("broadcast_init", buf, root)
