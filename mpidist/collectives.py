@@ -105,6 +105,20 @@ def scattered_size_error(fn: str, out: Any, inp: Any, n: int) -> ValueError:
     )
 
 
+def check_block_shapes(fn: str, whole: Any, part: Any, n: int, whole_name: str, part_name: str) -> None:
+    """Refuse a ``whole`` (of ``n`` times ``part``'s elements) that is not ``n`` arrays shaped like ``part``
+    concatenated along the first dimension or stacked: torch's two forms of all_gather_into_tensor's
+    output and reduce_scatter_tensor's input. Flat arrays of the right sizes pass without a check here."""
+    ws, ps = tuple(whole.shape), tuple(part.shape)
+    if ws == (n, *ps) or (ps and len(ws) == len(ps) and ws[0] == n * ps[0] and ws[1:] == ps[1:]):
+        return
+    concatenated = f" {(n * ps[0], *ps[1:])} (concatenated) or" if ps else ""
+    raise ValueError(
+        f"{fn}: {whole_name} has shape {ws}; for {part_name} of shape {ps} on {n} ranks it must be"
+        f"{concatenated} {(n, *ps)} (stacked)"
+    )
+
+
 def _check_own_size(fn: str, mine: np.ndarray, name: str, rank: int, local: np.ndarray, local_name: str) -> None:
     if mine.size != local.size:
         raise ValueError(
@@ -252,6 +266,8 @@ def all_gather_into_tensor(
         check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != n * inp.size:
         raise gathered_size_error(fn, out, inp, n)
+    if out.ndim != 1 or inp.ndim != 1:
+        check_block_shapes(fn, out, inp, n, "output_tensor", "input_tensor")
     w = pg.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
     if w is not None:
         w._outputs = [output_tensor]
@@ -403,6 +419,8 @@ def reduce_scatter_tensor(
         check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
         raise scattered_size_error(fn, out, inp, n)
+    if out.ndim != 1 or inp.ndim != 1:
+        check_block_shapes(fn, inp, out, n, "input", "output")
     w = pg.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
     if w is not None:
         w._outputs = [output]

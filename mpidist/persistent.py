@@ -32,6 +32,7 @@ from .backends.base import PersistentPlan
 from .collectives import (
     SUM,
     all_to_all_counts,
+    check_block_shapes,
     check_dtype,
     gathered_size_error,
     root_rank,
@@ -545,6 +546,7 @@ def all_gather_into_tensor_init(
     check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != n * inp.size:
         raise gathered_size_error(fn, out, inp, n)
+    check_block_shapes(fn, out, inp, n, "output_tensor", "input_tensor")
     plan = pg.all_gather_into_tensor_init(out, _staged(out, target), inp)
     return _made(pg, plan, _staged(inp, source), (output_tensor, input_tensor, out, inp))
 
@@ -565,6 +567,7 @@ def reduce_scatter_tensor_init(
     check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
         raise scattered_size_error(fn, out, inp, n)
+    check_block_shapes(fn, inp, out, n, "input", "output")
     check_op(op, DTYPES[out.dtype], fn)
     plan = pg.reduce_scatter_tensor_init(out, _staged(out, target), inp, op)
     return _made(pg, plan, _staged(inp, source), (output, input, out, inp))

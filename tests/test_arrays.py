@@ -460,6 +460,50 @@ def test_wrong_output_size():
     )  # fmt: skip
 
 
+def test_block_shapes_that_are_neither_concatenated_nor_stacked():
+    """The right number of elements in the wrong shape (torch's gloo refuses it too): the inputs would land
+    in flat order, not along the first dimension."""
+    n = SIZE
+    expect_error_then_working_group(
+        ValueError,
+        rf"^all_gather_into_tensor: output_tensor has shape \(3, {2 * n}\); for input_tensor of shape \(2, 3\) "
+        rf"on {n} ranks it must be \({2 * n}, 3\) \(concatenated\) or \({n}, 2, 3\) \(stacked\)$",
+        dist.all_gather_into_tensor, np.zeros((3, 2 * n)), np.zeros((2, 3)),
+    )  # fmt: skip
+    expect_error_then_working_group(
+        ValueError,
+        rf"^reduce_scatter_tensor: input has shape \({6 * n},\); for output of shape \(2, 3\) on {n} ranks",
+        dist.reduce_scatter_tensor, np.zeros((2, 3)), np.zeros(6 * n),
+    )  # fmt: skip
+    expect_error_then_working_group(
+        ValueError,  # a 0-d input has no first dimension: only the stacked form
+        rf"^all_gather_into_tensor: output_tensor has shape \(1, {n}\); for input_tensor of shape \(\) on {n} "
+        rf"ranks it must be \({n},\) \(stacked\)$",
+        dist.all_gather_into_tensor, np.zeros((1, n)), np.zeros(()),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["concatenated", "stacked"])
+def test_block_shapes_of_both_forms(form):
+    """Both of torch's forms: rank r's (2, 3) block lands at [r] (stacked) or rows 2r, 2r + 1 (concatenated)."""
+    n = SIZE
+    mine = np.arange(6.0).reshape(2, 3) + 100 * RANK
+    blocks = np.stack([np.arange(6.0).reshape(2, 3) + 100 * r for r in range(n)])
+    shape = (2 * n, 3) if form == "concatenated" else (n, 2, 3)
+    out = np.zeros(shape)
+    dist.all_gather_into_tensor(out, mine)
+    problems = [] if np.array_equal(out, blocks.reshape(shape)) else [f"all_gather_into_tensor {form}: {out}"]
+    part = np.zeros((2, 3))
+    dist.reduce_scatter_tensor(part, blocks.reshape(shape))
+    if not np.array_equal(part, n * blocks[RANK]):
+        problems.append(f"reduce_scatter_tensor {form}: {part}, expected {n * blocks[RANK]}")
+    x = np.zeros(n)
+    dist.all_gather_into_tensor(x, np.array(float(RANK)))  # 0-d inputs, stacked
+    if x.tolist() != [float(r) for r in range(n)]:
+        problems.append(f"0-d inputs stacked: {x}")
+    fail_together(problems)
+
+
 # -- all_to_all_single split sizes --------------------------------------------------------
 
 

@@ -507,6 +507,7 @@ def test_misuse_raises_the_same_clear_error_on_every_rank(rank, world_size, chec
             ("op type", lambda: dist.all_reduce_init(np.zeros(2), op="sum")),
             ("read-only", lambda: dist.all_reduce_init(np.frombuffer(bytes(16)))),
             ("sizes", lambda: dist.all_gather_into_tensor_init(np.zeros(3), np.zeros(2))),
+            ("shape", lambda: dist.reduce_scatter_tensor_init(np.zeros((2, 1)), np.zeros((1, 2 * world_size)))),
             ("dtypes", lambda: dist.reduce_scatter_tensor_init(np.zeros(2, np.float32), np.zeros(2 * world_size))),
             (
                 "splits",
@@ -525,6 +526,7 @@ def test_misuse_raises_the_same_clear_error_on_every_rank(rank, world_size, chec
         "op type": r"^TypeError: all_reduce_init: op must be a ReduceOp",
         "read-only": r"^ValueError: all_reduce_init: tensor is read-only",
         "sizes": r"^ValueError: all_gather_into_tensor_init: output_tensor has 3 elements but must have world_size",
+        "shape": r"^ValueError: reduce_scatter_tensor_init: input has shape \(1, \d+\); for output of shape \(2, 1\)",
         "dtypes": r"^TypeError: reduce_scatter_tensor_init: output is float32 but input is float64",
         "splits": r"^ValueError: all_to_all_single_init: input_split_sizes sums to",
         "src": r"^RankNotInGroupError: broadcast_init: src=",
