@@ -44,7 +44,7 @@ from .._world import world
 from ..groups import new_group
 from ..init import destroy_process_group as _destroy
 from ..init import init_process_group as _init
-from ..reduce_op import RedOpType, make_premul_sum
+from ..reduce_op import foreign_op, make_premul_sum
 from ._engine import engine
 from ._work import TorchWork
 
@@ -53,11 +53,9 @@ __all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
 BACKEND_NAME = "mpidist"
 
 _TorchRedOp = dist.ReduceOp.RedOpType
-#: torch's reduction kinds by number -> mpidist's (the same numbering; PREMUL_SUM also carries a factor)
-_OPS = tuple(
-    RedOpType[k.name] if k.name in RedOpType.__members__ else None
-    for k in sorted(_TorchRedOp.__members__.values(), key=lambda k: k.value)
-)
+#: torch's reduction kinds by number -> mpidist's (``foreign_op``, looked up once: it costs ~1.5 us on torch's
+#: objects; PREMUL_SUM also carries a factor, read per call)
+_OPS = tuple(foreign_op(k) for k in sorted(_TorchRedOp.__members__.values(), key=lambda k: k.value))
 _PREMUL = int(_TorchRedOp.PREMUL_SUM.value)
 _AllreduceOptions = dist.AllreduceOptions
 _get_ident = threading.get_ident
