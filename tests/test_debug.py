@@ -924,6 +924,14 @@ def test_detail_accepts_uneven_lists(rank, world_size):
     fail_together(problems)
 
 
+def _end_after_timeout(g: dist.ProcessGroup, problems: list[str], world_size: int, rank: int) -> None:
+    """Back to OFF, destroy ``g`` (unusable on the ranks that timed out), check the world still works, decide."""
+    dist.set_debug_level(L.OFF)
+    dist.destroy_process_group(g)
+    problems += _still_in_step(dist.group.WORLD, world_size, rank, "world after the timeout")
+    fail_together(problems)
+
+
 # ---------------------------------------------------------------------------------------
 # DETAIL: the check is bounded by the group's timeout
 # ---------------------------------------------------------------------------------------
@@ -949,10 +957,7 @@ def test_detail_check_respects_the_group_timeout(rank, world_size):
                 problems.append(f"raised after {took:.2f} s; expected within {timeout} + 2 s, not before the timeout")
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
-    dist.set_debug_level(L.OFF)
-    dist.destroy_process_group(g)  # unusable now on the ranks that timed out
-    problems += _still_in_step(dist.group.WORLD, world_size, rank, "world after the timeout")
-    fail_together(problems)
+    _end_after_timeout(g, problems, world_size, rank)
 
 
 def _detail_call(op: str, g: dist.ProcessGroup) -> None:
@@ -999,10 +1004,7 @@ def test_detail_check_timeout_names_the_users_call(rank, world_size, op):
                 problems.append(f"message names the check's exchange: {text}")
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
-    dist.set_debug_level(L.OFF)
-    dist.destroy_process_group(g)  # unusable now on the ranks that timed out
-    problems += _still_in_step(dist.group.WORLD, world_size, rank, "world after the timeout")
-    fail_together(problems)
+    _end_after_timeout(g, problems, world_size, rank)
 
 
 @pytest.mark.mpi(min_size=2)
