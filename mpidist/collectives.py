@@ -581,7 +581,7 @@ def barrier(
     if timeout is None:
         return pg.barrier(async_op)
     limit = timeout_seconds(timeout, fn, pg.timeout.total_seconds())  # checked before anything is posted
-    w = pg.barrier(True)
+    w = pg.barrier(True, limit)
     if w is not None:
         w.default_timeout(limit)
         if not async_op:

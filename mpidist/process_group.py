@@ -238,10 +238,12 @@ class ProcessGroup:
         b = self._levels("all_to_all", outs, ins)[world.debug_level]
         return b.all_to_all(outs, backs, ins, async_op)
 
-    def barrier(self, async_op: bool) -> Work | None:
+    def barrier(self, async_op: bool, timeout_s: float | None = None) -> Work | None:
+        """``timeout_s``: the barrier's own timeout; the Work returned (``async_op`` must be True) is waited for within it."""
         if self.refusal is not None:
             self._refuse("barrier")
-        return (self._host or self._device or self._packing)[world.debug_level].barrier(async_op)
+        b = (self._host or self._device or self._packing)[world.debug_level]
+        return b.barrier(async_op) if timeout_s is None else b.timed_barrier(timeout_s)
 
     def all_reduce_packed(self, packed: ndarray, backs: Backs, op: Any, async_op: bool) -> Work | None:
         """``all_reduce`` of a host buffer mpidist packed itself (``all_reduce_coalesced``), on any group."""

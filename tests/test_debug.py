@@ -960,6 +960,36 @@ def test_detail_check_respects_the_group_timeout(rank, world_size):
     _end_after_timeout(g, problems, world_size, rank)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_detail_check_is_bounded_by_the_barriers_own_timeout(rank, world_size, async_op):
+    """``barrier(timeout=1 s)`` on a group whose timeout is 20 s, rank 1 late: DETAIL's check of the barrier
+    gives up after the barrier's 1 s, as the barrier does at OFF, not after the group's 20 s."""
+    g = dist.new_group(timeout=timedelta(seconds=20))
+    dist.set_debug_level(L.DETAIL)
+    problems: list[str] = []
+    if rank == 1:
+        time.sleep(2.5)  # past the others' timeout and their survey: not inside mpidist
+    else:
+        t0 = time.monotonic()
+        try:
+            w = dist.barrier(group=g, timeout=timedelta(seconds=1), async_op=async_op)
+            if w is not None:
+                w.wait()
+            problems.append("barrier with a late rank did not raise")
+        except DistBackendError as exc:
+            took = time.monotonic() - t0
+            text = str(exc)
+            for p in (r"^barrier \(call #\d+\) on group .* within the timeout of 1 s\.", r"compared their calls"):
+                if not re.search(p, text):
+                    problems.append(f"message {text!r} does not match {p!r}")
+            if not 0.9 <= took <= 3.0:
+                problems.append(f"raised after {took:.2f} s; expected after the barrier's timeout of 1 s")
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
+    _end_after_timeout(g, problems, world_size, rank)
+
+
 def _detail_call(op: str, g: dist.ProcessGroup) -> None:
     if op == "all_reduce":
         dist.all_reduce(np.ones(4), group=g)

@@ -387,6 +387,33 @@ def test_a_missing_rank_times_out_through_torch(pg):
     fail_together(problems)
 
 
+@pytest.mark.parametrize("async_op", [False, True])
+def test_barrier_timeout_bounds_the_wait_through_torch(pg, async_op):
+    """``barrier(timeout=1 s)`` on a group whose timeout is 30 s, rank 0 late: the barrier (blocking, or the
+    ``wait()`` of its Work) gives up after its own 1 s, not the group's 30 s."""
+    if SIZE == 1:
+        pytest.skip("needs a rank to be late")
+    g = tdist.new_group(timeout=timedelta(seconds=30))
+    problems = []
+    if RANK == 0:
+        time.sleep(2.5)
+        tdist.barrier(group=g)  # joins the others' barrier, which they stopped waiting for
+    else:
+        start = time.monotonic()
+        try:
+            w = tdist.barrier(group=g, async_op=async_op, timeout=timedelta(seconds=1))
+            if w is not None:
+                w.wait()
+            problems.append("barrier without rank 0 returned")
+        except RuntimeError as exc:
+            took = time.monotonic() - start
+            if not isinstance(exc, dist.DistBackendError) or "within the timeout of 1 s" not in str(exc) or took > 3.0:
+                problems.append(f"after {took:.1f} s: {type(exc).__name__}: {exc}")
+    MPI.COMM_WORLD.barrier()
+    tdist.destroy_process_group(g)
+    fail_together(problems)
+
+
 # -- DDP, its hooks, post-local SGD and FSDP2, against gloo ---------------------------------
 
 

@@ -257,6 +257,13 @@ class BaseBackend(ABC):
     @abstractmethod
     def barrier(self, async_op: bool) -> Work | None: ...
 
+    def timed_barrier(self, timeout_s: float) -> Work | None:
+        """``barrier(async_op=True)`` for ``barrier(timeout=...)``: the caller bounds the Work's wait by ``timeout_s``.
+
+        A backend that waits before it posts (DETAIL's check) bounds that wait by ``timeout_s`` too.
+        """
+        return self.barrier(True)
+
     # -- point-to-point ---------------------------------------------------------------
     @abstractmethod
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Work: ...

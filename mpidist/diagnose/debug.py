@@ -260,11 +260,12 @@ class _AsCall:
     (``DebugBackend.pending`` counts it).
     """
 
-    __slots__ = ("debug", "control", "op", "seq", "size", "global_ranks", "group_name", "spins")
+    __slots__ = ("debug", "control", "op", "seq", "limit", "size", "global_ranks", "group_name", "spins")
 
-    def __init__(self, debug: DebugBackend, op: str, seq: int) -> None:
+    def __init__(self, debug: DebugBackend, op: str, seq: int, limit: float | None) -> None:
         control = debug.pg.control
         self.debug, self.control, self.op, self.seq = debug, control, op, seq
+        self.limit = limit  # the call's own timeout (barrier(timeout=...)), if not the group's
         self.size, self.global_ranks = control.size, control.global_ranks  # what gather_all reads
         self.group_name, self.spins = debug.group_name, control.spins  # what a Work reads of its owner
 
@@ -277,6 +278,8 @@ class _AsCall:
 
     def _as_call(self, work: Work, async_op: bool) -> Work | None:
         work.act_as(self, self.op, self.seq)
+        if self.limit is not None:
+            work.default_timeout(self.limit)
         if async_op:
             return work
         work.wait()
@@ -309,9 +312,9 @@ class DebugBackend(WrapperBackend):
         self.pg = pg
 
     def _run(self, call: Call, nbytes: int, start: Callable[[], Any], mode: str | None = None,
-             label: str | None = None) -> Any:  # fmt: skip
+             label: str | None = None, limit: float | None = None) -> Any:  # fmt: skip
         if world.debug_level >= DebugLevel.DETAIL:
-            self._check(call, label)
+            self._check(call, label, limit)
         t0 = time.perf_counter()
         result = start()
         if world.debug_level >= DebugLevel.INFO:
@@ -324,12 +327,13 @@ class DebugBackend(WrapperBackend):
             )
         return result
 
-    def _check(self, call: Call, label: str | None = None) -> None:
+    def _check(self, call: Call, label: str | None = None, limit: float | None = None) -> None:
         """Compare ``call`` with the other ranks' calls; ``label``: the call's name in a timeout error, if not its op.
 
-        The exchange runs on the group's control backend, waited for as the user's call (:class:`_AsCall`).
+        The exchange runs on the group's control backend, waited for as the user's call (:class:`_AsCall`):
+        within ``limit`` seconds, the call's own timeout, if given, else the group's.
         """
-        calls = gather_all(_AsCall(self, label or call.op, call.seq), call)
+        calls = gather_all(_AsCall(self, label or call.op, call.seq, limit), call)
         failed = [(i, c.error) for i, c in enumerate(calls) if c.error is not None]
         if failed:
             if call.error is not None:
@@ -457,6 +461,9 @@ class DebugBackend(WrapperBackend):
 
     def barrier(self, async_op: bool) -> Any:
         return self._run(self._call("barrier", ""), 0, lambda: self.inner.barrier(async_op))
+
+    def timed_barrier(self, timeout_s: float) -> Any:
+        return self._run(self._call("barrier", ""), 0, lambda: self.inner.timed_barrier(timeout_s), limit=timeout_s)
 
     # -- persistent operations: creation checked like a call; starts traced and checked ----------
     def _create(self, call: Call, nbytes: int, make: Callable[[], PersistentPlan]) -> PersistentPlan:

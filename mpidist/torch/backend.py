@@ -272,11 +272,8 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> TorchWork | None:
         async_op = True if opts is None else opts.asyncOp
         timeout = None if opts is None or opts.timeout == _UNSET else opts.timeout
-        if not async_op:
-            collectives.barrier(self._lane(), timeout=timeout)
-            return None
-        w = collectives.barrier(self._lane(), async_op=True)
-        return self._work(w, [], "barrier")
+        w = collectives.barrier(self._lane(), async_op=async_op, timeout=timeout)
+        return None if w is None else self._work(w, [], "barrier")
 
     def _sync_or_work(self, works: list[Any], outputs: Any, opts: Any, op: str) -> TorchWork | None:
         if opts.asyncOp:
