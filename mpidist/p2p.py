@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 from ._validate import int_arg
 from ._world import world
+from .arrays.host import Buffer, prepare_input, prepare_output
 from .arrays.host import _adapt as adapt
-from .arrays.host import prepare_input, prepare_output
 from .collectives import root_rank
-from .process_group import ProcessGroup, resolve_group
+from .process_group import Backs, ProcessGroup, resolve_group
 from .work import Work
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
@@ -28,6 +28,8 @@ _SRC = ("src", "group_src")
 
 def tag_value(tag: Any, fn: str) -> int:
     """Return ``tag`` as an int within MPI's range, or raise TypeError/ValueError naming ``fn``."""
+    if type(tag) is int and 0 <= tag <= world.init_info.tag_ub:  # the common case, decided at once
+        return tag
     t = int_arg(tag, fn, "tag", minimum=-(1 << 64))  # the type rule; the range is MPI's, checked here
     upper = world.init_info.tag_ub
     if not 0 <= t <= upper:
@@ -168,6 +170,15 @@ class P2POp:
         return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
 
 
+def _prepared(p: P2POp, where: str) -> tuple[bool, Buffer, Backs, int, int]:
+    """``(is_send, buffer, backs, group peer, tag)`` of ``p`` for ``ProcessGroup.batch_p2p``; ``where`` names it in errors."""
+    tag = tag_value(p.tag, where)
+    if p.op is isend:
+        return True, prepare_input(p.tensor, where, "tensor"), None, p.group_peer, tag
+    buf, target = prepare_output(p.tensor, where, "tensor")
+    return False, buf, None if target is None else [(buf, target)], p.group_peer, tag
+
+
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Post every send and receive of ``p2p_op_list`` at once; return their Works.
 
@@ -188,13 +199,11 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         return []
     prepared = []
     for i, p in enumerate(p2p_op_list):
-        where = f"{fn}: p2p_op_list[{i}] ({p.op.__name__})"
-        tag = tag_value(p.tag, where)
-        if p.op is isend:
-            prepared.append((True, prepare_input(p.tensor, where, "tensor"), None, p.group_peer, tag))
-        else:
-            buf, target = prepare_output(p.tensor, where, "tensor")
-            prepared.append((False, buf, None if target is None else [(buf, target)], p.group_peer, tag))
+        try:
+            prepared.append(_prepared(p, fn))
+        except (TypeError, ValueError):  # again, to raise the error naming the operation (the checks are pure)
+            _prepared(p, f"{fn}: p2p_op_list[{i}] ({p.op.__name__})")
+            raise
     works = pg.batch_p2p(prepared)
     for w, p in zip(works, p2p_op_list):
         w._outputs = [p.tensor]

@@ -545,14 +545,14 @@ def test_batch_isend_irecv_validates_every_op_before_posting(make, rank, world_s
         dist.P2POp(dist.isend, make(np.ones(2)), nxt(rank, n), tag=3),
     ]
     bad[1].tag = -1  # invalid tag
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^batch_isend_irecv: p2p_op_list\[1\] \(isend\): tag must be between 0 and"):
         dist.batch_isend_irecv(bad)
     bad2 = [
         dist.P2POp(dist.irecv, stolen, prv(rank, n), tag=3),
         dist.P2POp(dist.isend, make(np.ones(2)), nxt(rank, n), tag=3),
     ]
     bad2[1].tensor = [1.0, 2.0]  # not an array
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^batch_isend_irecv: p2p_op_list\[1\] \(isend\): tensor "):
         dist.batch_isend_irecv(bad2)
     inp = make.zeros(2)
     works = dist.batch_isend_irecv(
