@@ -10,6 +10,7 @@ env:// variables, where ``init_process_group("mpidist")`` starts mpidist itself.
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from datetime import timedelta
 
@@ -162,3 +163,54 @@ def test_plain_processes_form_a_world_through_env(tmp_path):
         assert (got["rank"], got["size"], got["sum"]) == (r, n, 3.0)
         assert got["odd"] == [1.0, 1.0]  # rank 1 alone in the odd group
         assert got["grad"] == [[0.5, 0.5]]  # DDP averages the gradients [0, 0] and [1, 1]
+
+
+MIXED = textwrap.dedent(
+    """
+    import json
+    import mpidist.torch
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")  # torch's default group on gloo; mpidist is not started
+    rank, size = dist.get_rank(), dist.get_world_size()
+    error = ""
+    if rank == 0:  # a first mpidist group of some ranks only: mpidist cannot start on them alone
+        try:
+            dist.new_group([0], backend="mpidist", use_local_synchronization=True)
+        except RuntimeError as exc:
+            error = str(exc)
+    everyone = dist.new_group(backend="mpidist")  # starts mpidist on every rank
+    t = torch.tensor([rank + 1.0, 2.0 * rank])
+    dist.all_reduce(t, group=everyone)
+    ref = torch.tensor([rank + 1.0, 2.0 * rank])
+    dist.all_reduce(ref)  # on gloo
+    last_two = dist.new_group([size - 2, size - 1], backend="mpidist")
+    y = torch.full((2,), float(rank))
+    if rank >= size - 2:
+        dist.all_reduce(y, group=last_two)
+    backends = [str(dist.get_backend()), str(dist.get_backend(everyone))]
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps({"rank": rank, "sum": t.tolist(), "gloo": ref.tolist(), "last_two": y.tolist(),
+                                  "backends": backends, "error": error}))
+    """
+)
+
+
+@pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+@needs_pmi1
+def test_mpidist_groups_beside_a_gloo_default_group(tmp_path):
+    """torch's default group on gloo, then groups on mpidist: the first one over every rank starts mpidist
+    (a first one over some ranks says so, instead of claiming torch is not initialized)."""
+    n, port = 3, free_port()
+    envs = [clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(n)]
+    results = run_plain_world(MIXED, envs, [[]] * n, tmp_path, timeout=100)
+    for r, got in enumerate(results):
+        assert got["sum"] == got["gloo"] == [6.0, 6.0], got
+        assert got["last_two"] == ([3.0, 3.0] if r else [0.0, 0.0]), got  # ranks 1 and 2: 1 + 2
+        assert got["backends"] == ["gloo", "mpidist"], got
+        if r == 0:
+            assert re.search(
+                r"^new_group: the first group on backend 'mpidist' must have every rank \(3\), got \[0\]", got["error"]
+            ), got
+        else:
+            assert got["error"] == "", got

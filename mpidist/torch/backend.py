@@ -355,9 +355,29 @@ def create_process_group(
     else:
         owns = False
         members = list(ranks)
+        if world.default_pg is None:
+            _start_for_first_group(members, timeout, store)
         main = new_group(members, timeout=timeout, use_local_synchronization=True)
     side = new_group(members, timeout=timeout, use_local_synchronization=True)
     return ProcessGroupMPIDist(main, side, backend_name, owns, default=not ranks)
+
+
+def _start_for_first_group(members: list[int], timeout: timedelta, store: Any) -> None:
+    """Start mpidist under the first mpidist group of a job whose torch default group runs on another backend.
+
+    ``init_process_group("gloo")`` then ``new_group(backend="mpidist")``: starting mpidist is collective
+    over the world, and torch asks only a group's members to create it, so the first mpidist group must
+    span every rank (or the program starts mpidist itself first).
+    """
+    size = dist.get_world_size()
+    if len(members) != size:
+        raise RuntimeError(
+            f"new_group: the first group on backend {BACKEND_NAME!r} must have every rank ({size}), got {members}: "
+            f"mpidist starts on every rank at once, and torch's default group runs on {dist.get_backend()!r}. "
+            f"Create new_group(backend={BACKEND_NAME!r}) over all ranks first, call mpidist.init_process_group() "
+            f"on every rank first, or use init_process_group({BACKEND_NAME!r}) for the default group"
+        )
+    _init(timeout=timeout, store=store, rank=dist.get_rank(), world_size=size)
 
 
 def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGroupMPIDist:
