@@ -648,7 +648,10 @@ def test_post_local_sgd_with_model_averager_matches_gloo(pgs):
     assert_same_training(results[0], results[1], "post-local SGD")
 
 
-def test_join_with_uneven_inputs(pgs):
+@pytest.mark.parametrize("static_divisor", [True, False], ids=["divide_by_initial_world_size", "by_ranks_left"])
+def test_join_with_uneven_inputs(pgs, static_divisor):
+    """With ``divide_by_initial_world_size=False`` DDP's reducer waits, in the backward pass, for a Work that Python
+    handed it in the forward pass and dropped: it used to hang (torch's C++ fell back to the base Work::wait)."""
     from torch.distributed.algorithms.join import Join
 
     mpi, gloo = pgs
@@ -657,13 +660,41 @@ def test_join_with_uneven_inputs(pgs):
         torch.manual_seed(0)
         model = DDP(Net(), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with Join([model]):
+        with Join([model], divide_by_initial_world_size=static_divisor):
             for step in range(2 + RANK):  # rank r has 2 + r batches
                 model(_batch(step, RANK)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
         out.append([p.detach().numpy().copy() for p in model.module.parameters()])
     assert_same_training(out[0], out[1], "Join")
+
+
+def test_works_kept_for_torchs_cpp_code_are_bounded(pg):
+    """The backend keeps a Work's Python object alive for torch's C++ code (see the Join test), but not forever:
+    the output of a Work waited for is freed after WAITED_LIMIT more, of one never waited for after HELD_LIMIT."""
+    import gc
+    import weakref
+
+    from mpidist.torch._engine import HELD_LIMIT, WAITED_LIMIT
+
+    problems = []
+    for waited, limit in ((True, WAITED_LIMIT), (False, HELD_LIMIT)):
+        t = torch.full((4,), float(RANK))
+        gone = weakref.ref(t)
+        w = tdist.all_reduce(t, async_op=True)
+        if waited:
+            w.wait()
+        del t, w
+        for _ in range(limit + 1):
+            w = tdist.all_reduce(torch.ones(1), async_op=True)
+            if waited:
+                w.wait()
+            del w
+        tdist.barrier()  # every operation above has completed: the engine holds none of them
+        gc.collect()
+        if gone() is not None:
+            problems.append(f"waited={waited}: the output is still alive after {limit + 1} more Works")
+    fail_together(problems)
 
 
 def test_fsdp2_fully_shard_matches_single_process_training(pg):

@@ -42,6 +42,9 @@ __all__ = ["Engine", "TorchFuture", "engine"]
 
 log = logging.getLogger("mpidist")
 
+#: how many Works the engine keeps alive for torch's C++ code (``Engine.hold``): not yet waited for, and waited for
+HELD_LIMIT, WAITED_LIMIT = 256, 8
+
 
 class Engine:
     """The one progress thread of this process (started on the first asynchronous operation)."""
@@ -53,6 +56,8 @@ class Engine:
         self._stop = False
         self.ident: int | None = None  # the engine thread's ident, compared on every call
         self.enabled: bool | None = None  # False without MPI_THREAD_MULTIPLE (decided on first use)
+        self._held: dict[int, Any] = {}  # id -> Work, oldest first (Engine.hold)
+        self._waited: dict[int, Any] = {}  # the same, for Works waited for but whose Future nobody took
 
     def here(self) -> bool:
         """True when called on the engine thread (inside a callback)."""
@@ -70,6 +75,30 @@ class Engine:
                     "operations complete only when waited for (DDP's communication does not overlap backward)"
                 )
         return self.enabled
+
+    def hold(self, work: Any) -> None:
+        """Keep ``work`` (a Python Work) alive for torch's C++ code, which may use it after Python dropped it.
+
+        DDP's reducer keeps the Work of ``Join``'s notification (under
+        ``divide_by_initial_world_size=False``) and calls ``wait()`` then ``getFuture()``
+        on it in the backward pass. Without the Python object, pybind11 falls back to
+        c10d's base ``Work::wait``, which never returns, and to ``getFuture``, which
+        raises "not implemented". So a Work stays held until its Future is taken
+        (:meth:`taken`); once waited for (:meth:`waited`) only the ``WAITED_LIMIT``
+        latest stay held, and of the others the ``HELD_LIMIT`` latest, so a program
+        that never asks for the Future keeps a bounded number of outputs alive.
+        """
+        _keep(self._held, work, HELD_LIMIT)
+
+    def waited(self, work: Any) -> None:
+        """``work`` was waited for: its Future may still be asked for at once (the reducer's wait, then getFuture)."""
+        if self._held.pop(id(work), None) is not None:
+            _keep(self._waited, work, WAITED_LIMIT)
+
+    def taken(self, work: Any) -> None:
+        """``work``'s Future was taken: whoever holds that needs nothing more of the Work's Python object."""
+        self._held.pop(id(work), None)
+        self._waited.pop(id(work), None)
 
     def submit(self, item: Any) -> None:
         """Queue ``item`` (an object with ``run()``) behind everything queued before it."""
@@ -111,6 +140,13 @@ class Engine:
             if self._thread is thread:
                 self._thread = None
                 self.ident = None
+
+
+def _keep(held: dict[int, Any], work: Any, limit: int) -> None:
+    """Add ``work`` to ``held`` (id -> Work, oldest first), dropping the oldest beyond ``limit``."""
+    held[id(work)] = work
+    if len(held) > limit:
+        held.pop(next(iter(held)), None)  # another thread may have removed it meanwhile
 
 
 #: the process's engine

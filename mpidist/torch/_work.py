@@ -47,6 +47,7 @@ class TorchWork(dist.Work):
         self._settled = False
         self._exc: BaseException | None = None
         self._future: TorchFuture | None = None
+        engine.hold(self)  # kept alive for torch's C++ code, which may call it after Python dropped it
 
     # -- completion -----------------------------------------------------------------------
     def _run_inner(self, timeout_s: float | None) -> None:
@@ -85,6 +86,7 @@ class TorchWork(dist.Work):
     # -- torch.distributed.Work --------------------------------------------------------------
     def wait(self, timeout: timedelta = _ZERO) -> bool:
         """Block until the operation completes (``timeout``: at most that long, else the group's)."""
+        engine.waited(self)
         if not self._settled:
             seconds = _seconds(timeout)
             # drive it here unless another thread does; the engine thread always drives (it waits for no one)
@@ -133,6 +135,7 @@ class TorchWork(dist.Work):
         With a background engine this returns at once (communication overlaps what
         the program does next); without one it completes the operation first.
         """
+        engine.taken(self)
         with self._state:
             future = self._future
             if future is None:
