@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -651,8 +652,12 @@ def test_post_local_sgd_with_model_averager_matches_gloo(pgs):
 @pytest.mark.parametrize("static_divisor", [True, False], ids=["divide_by_initial_world_size", "by_ranks_left"])
 def test_join_with_uneven_inputs(pgs, static_divisor):
     """With ``divide_by_initial_world_size=False`` DDP's reducer waits, in the backward pass, for a Work that Python
-    handed it in the forward pass and dropped: it used to hang (torch's C++ fell back to the base Work::wait)."""
+    handed it in the forward pass and dropped: it used to hang (torch's C++ fell back to the base Work::wait).
+    The first step also starts more asynchronous all-reduces than the backend keeps dropped Works for
+    (``HELD_LIMIT``) between forward and backward, and waits for them after: they must not push that Work out."""
     from torch.distributed.algorithms.join import Join
+
+    from mpidist.torch._engine import HELD_LIMIT
 
     mpi, gloo = pgs
     out = []
@@ -662,7 +667,12 @@ def test_join_with_uneven_inputs(pgs, static_divisor):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         with Join([model], divide_by_initial_world_size=static_divisor):
             for step in range(2 + RANK):  # rank r has 2 + r batches
-                model(_batch(step, RANK)).square().mean().backward()
+                loss = model(_batch(step, RANK)).square().mean()
+                n = HELD_LIMIT + 1 if step == 0 else 0  # every rank takes step 0; joined ranks call no all_reduce
+                metrics = [tdist.all_reduce(torch.ones(1), async_op=True, group=group) for _ in range(n)]
+                loss.backward()
+                for w in metrics:
+                    w.wait()
                 opt.step()
                 opt.zero_grad()
         out.append([p.detach().numpy().copy() for p in model.module.parameters()])
@@ -670,30 +680,43 @@ def test_join_with_uneven_inputs(pgs, static_divisor):
 
 
 def test_works_kept_for_torchs_cpp_code_are_bounded(pg):
-    """The backend keeps a Work's Python object alive for torch's C++ code (see the Join test), but not forever:
-    the output of a Work waited for is freed after WAITED_LIMIT more, of one never waited for after HELD_LIMIT."""
+    """The backend keeps the Python object of a Work that Python dropped before taking its Future, for torch's C++
+    code (see the Join test), but not forever: the output of one waited for is freed once WAITED_LIMIT more were
+    dropped so, of one never waited for once HELD_LIMIT more were. Works the program still holds do not count."""
     import gc
     import weakref
 
     from mpidist.torch._engine import HELD_LIMIT, WAITED_LIMIT
 
+    def started(wait: bool) -> Any:
+        t = torch.full((4,), float(RANK))
+        w = tdist.all_reduce(t, async_op=True)
+        if wait:
+            w.wait()
+        return weakref.ref(t)
+
+    def engine_caught_up() -> None:
+        """Return once the engine has run everything queued so far (callbacks run behind it, in order)."""
+        ran = threading.Event()
+        tdist.all_reduce(torch.ones(1), async_op=True).get_future().add_done_callback(lambda _: ran.set())
+        assert ran.wait(60), "the engine did not run a callback within 60 s"
+        gc.collect()
+
     problems = []
     for waited, limit in ((True, WAITED_LIMIT), (False, HELD_LIMIT)):
-        t = torch.full((4,), float(RANK))
-        gone = weakref.ref(t)
-        w = tdist.all_reduce(t, async_op=True)
-        if waited:
-            w.wait()
-        del t, w
+        kept = started(waited)  # its Work is dropped at once
+        live = [tdist.all_reduce(torch.ones(1), async_op=True) for _ in range(limit + 1)]  # held by the program
+        for w in live:
+            w.get_future().wait()  # Futures taken: freed as soon as dropped
+        del live, w
+        engine_caught_up()  # so its queue holds none of the Works above
+        if kept() is None:
+            problems.append(f"waited={waited}: a Work dropped before its Future was taken was freed")
         for _ in range(limit + 1):
-            w = tdist.all_reduce(torch.ones(1), async_op=True)
-            if waited:
-                w.wait()
-            del w
-        tdist.barrier()  # every operation above has completed: the engine holds none of them
-        gc.collect()
-        if gone() is not None:
-            problems.append(f"waited={waited}: the output is still alive after {limit + 1} more Works")
+            started(waited)
+        engine_caught_up()
+        if kept() is not None:
+            problems.append(f"waited={waited}: the output is still alive after {limit + 1} more such Works")
     fail_together(problems)
 
 

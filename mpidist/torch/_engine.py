@@ -76,19 +76,25 @@ class Engine:
                 )
         return self.enabled
 
-    def hold(self, work: Any) -> None:
-        """Keep ``work`` (a Python Work) alive for torch's C++ code, which may use it after Python dropped it.
+    def hold(self, work: Any, waited: bool) -> None:
+        """Keep ``work``, a Python Work that Python dropped before its Future was taken, alive for torch's C++ code.
 
+        torch's C++ code may hold a Work that Python has dropped and call it later:
         DDP's reducer keeps the Work of ``Join``'s notification (under
-        ``divide_by_initial_world_size=False``) and calls ``wait()`` then ``getFuture()``
-        on it in the backward pass. Without the Python object, pybind11 falls back to
-        c10d's base ``Work::wait``, which never returns, and to ``getFuture``, which
-        raises "not implemented". So a Work stays held until its Future is taken
-        (:meth:`taken`); once waited for (:meth:`waited`) only the ``WAITED_LIMIT``
-        latest stay held, and of the others the ``HELD_LIMIT`` latest, so a program
-        that never asks for the Future keeps a bounded number of outputs alive.
+        ``divide_by_initial_world_size=False``) and calls ``wait()`` then
+        ``getFuture()`` on it in the backward pass. Without the Python object,
+        pybind11 falls back to c10d's base ``Work::wait``, which never returns, and to
+        ``getFuture``, which raises "not implemented". So ``TorchWork.__del__`` brings
+        such a Work back here, where it stays until its Future is taken
+        (:meth:`taken`). Of those already waited for (``waited``, or :meth:`waited`
+        later) only the ``WAITED_LIMIT`` latest stay, of the others the ``HELD_LIMIT``
+        latest, so a program that drops Works keeps a bounded number of outputs alive.
+        Works that Python still refers to are never here and count against no limit.
         """
-        _keep(self._held, work, HELD_LIMIT)
+        if waited:
+            _keep(self._waited, work, WAITED_LIMIT)
+        else:
+            _keep(self._held, work, HELD_LIMIT)
 
     def waited(self, work: Any) -> None:
         """``work`` was waited for: its Future may still be asked for at once (the reducer's wait, then getFuture)."""

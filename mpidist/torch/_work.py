@@ -47,7 +47,16 @@ class TorchWork(dist.Work):
         self._settled = False
         self._exc: BaseException | None = None
         self._future: TorchFuture | None = None
-        engine.hold(self)  # kept alive for torch's C++ code, which may call it after Python dropped it
+        self._waited = self._taken = False  # what was asked of it (see __del__)
+
+    def __del__(self) -> None:
+        """Python dropped this Work before anyone took its Future: torch's C++ code may still hold it and call
+        it later, which needs this Python object (``Engine.hold``), so it is kept (bounded)."""
+        if not self._taken:
+            try:
+                engine.hold(self, self._waited)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing will call it
+                pass
 
     # -- completion -----------------------------------------------------------------------
     def _run_inner(self, timeout_s: float | None) -> None:
@@ -86,6 +95,7 @@ class TorchWork(dist.Work):
     # -- torch.distributed.Work --------------------------------------------------------------
     def wait(self, timeout: timedelta = _ZERO) -> bool:
         """Block until the operation completes (``timeout``: at most that long, else the group's)."""
+        self._waited = True
         engine.waited(self)
         if not self._settled:
             seconds = _seconds(timeout)
@@ -135,6 +145,7 @@ class TorchWork(dist.Work):
         With a background engine this returns at once (communication overlaps what
         the program does next); without one it completes the operation first.
         """
+        self._taken = True
         engine.taken(self)
         with self._state:
             future = self._future
