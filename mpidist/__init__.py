@@ -36,7 +36,14 @@ from .collectives import (
 )
 from .data import DistributedSampler
 from .diagnose.debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, RankNotInGroupError
+from .errors import (
+    DefaultGroupStateError,
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    RankNotInGroupError,
+)
 from .groups import (
     get_global_rank,
     get_group_rank,
@@ -205,6 +212,7 @@ __all__ = [
     "DistStoreError",
     "DistNetworkError",
     "RankNotInGroupError",
+    "DefaultGroupStateError",
     # Lightning's distributed utilities
     "distributed_available",
     "all_gather_ddp_if_available",

@@ -8,6 +8,7 @@ __all__ = [
     "DistStoreError",
     "DistNetworkError",
     "RankNotInGroupError",
+    "DefaultGroupStateError",
 ]
 
 
@@ -33,4 +34,12 @@ class RankNotInGroupError(ValueError, RuntimeError):
     It is a ValueError (a wrong argument) and, as torch.distributed documents for
     ``get_group_rank``/``get_global_rank``, a RuntimeError, so either ``except``
     clause catches it.
+    """
+
+
+class DefaultGroupStateError(ValueError, RuntimeError):
+    """The default process group is not initialized (a call that needs it), or already is (``init_process_group``).
+
+    torch raises a ValueError for both; mpidist raised a RuntimeError before, so
+    this is both and either ``except`` clause catches it.
     """

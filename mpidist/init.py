@@ -19,11 +19,11 @@ from ._validate import env_flag, int_arg, timeout_arg
 from ._world import InitInfo, world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
 from .diagnose.debug import set_debug_level_from_env
-from .errors import DistBackendError
+from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
 from .launch.boot import launched_by_mpi, mpi_initialized, start_mpi
 from .launch.rendezvous import launch_free_world, plan_from
-from .process_group import ProcessGroup, resolve_group
+from .process_group import ProcessGroup, not_initialized, resolve_group
 from .work import poll
 
 __all__ = [
@@ -145,7 +145,7 @@ def init_process_group(
         device_id: accepted for torch compatibility; unused for host arrays.
 
     Raises:
-        RuntimeError: already initialized.
+        DefaultGroupStateError: already initialized (a ValueError, as in torch, and a RuntimeError).
         ValueError: a rank or world size disagrees with MPI (on every rank).
 
     Example (``mpiexec -n 2 python script.py``)::
@@ -158,7 +158,7 @@ def init_process_group(
     fn = "init_process_group"
     with world.lock:
         if world.default_pg is not None:
-            raise RuntimeError(
+            raise DefaultGroupStateError(
                 f"{fn}: the default process group is already initialized; call destroy_process_group() first"
             )
         td = timeout_arg(timeout, fn, default_pg_timeout)
@@ -278,7 +278,7 @@ def get_default_store() -> Any:
     """
     fn = "get_default_store"
     if world.default_pg is None:
-        raise RuntimeError(f"{fn}: the default process group is not initialized; call init_process_group() first")
+        raise not_initialized(fn)
     if world.store is None:
         raise RuntimeError(f"{fn}: rank 0 could not open a store: {world.init_info.store_error or 'unknown'}")
     return world.store

@@ -15,7 +15,7 @@ from .arrays.device import DeviceArray
 from .arrays.host import Buffer
 from .backends.base import BaseBackend, PersistentPlan
 from .diagnose.debug import DebugBackend, DebugLevel
-from .errors import DistError, RankNotInGroupError
+from .errors import DefaultGroupStateError, DistError, RankNotInGroupError
 from .work import Work
 
 #: how long destroy_process_group waits for the other members before leaving the communicators allocated
@@ -466,8 +466,10 @@ class GroupMember(metaclass=_WorldMeta):
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
-def _not_initialized(fn: str) -> RuntimeError:
-    return RuntimeError(f"{fn}: the default process group is not initialized; call mpidist.init_process_group() first")
+def not_initialized(fn: str) -> DefaultGroupStateError:
+    return DefaultGroupStateError(
+        f"{fn}: the default process group is not initialized; call mpidist.init_process_group() first"
+    )
 
 
 def absent(grp: Any, fn: str) -> None:
@@ -476,7 +478,7 @@ def absent(grp: Any, fn: str) -> None:
     Raise before ``init_process_group``; else (a non-member) return None.
     """
     if grp is None:
-        raise _not_initialized(fn)
+        raise not_initialized(fn)
     return None
 
 
@@ -489,7 +491,7 @@ def resolve_group(grp: Any, fn: str) -> ProcessGroup | None:
     if grp is None:
         pg = world.default_pg
         if pg is None:
-            raise _not_initialized(fn)
+            raise not_initialized(fn)
         return pg
     if isinstance(grp, ProcessGroup):
         if grp.destroyed:
@@ -497,6 +499,6 @@ def resolve_group(grp: Any, fn: str) -> ProcessGroup | None:
         return grp
     if grp is NON_GROUP_MEMBER:
         if world.default_pg is None:
-            raise _not_initialized(fn)
+            raise not_initialized(fn)
         return None
     raise TypeError(f"{fn}: group must be a ProcessGroup (or None for the default group), got {type(grp).__name__}")
