@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 from mpi4py import MPI
@@ -137,6 +138,41 @@ def test_a_library_without_pmi1_is_refused(monkeypatch):
         r"and Open MPI v5\.0\.11.*mpiexec -n N",
     ):
         rendezvous._require_pmi1("init_process_group")
+
+
+def _pmi_client(address: str) -> tuple[Any, Any]:
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=20)
+    return conn, conn.makefile("rwb", buffering=0)
+
+
+def test_pmi_barrier_is_released_when_a_process_leaves_without_finalizing():
+    """Rank 1 dies (no finalize) while rank 0 waits in a PMI barrier (MPI_Finalize has one): rank 0 gets an error
+    instead of waiting forever, and the server sees every process gone (it used to stay up for good)."""
+    server = pmi.PMIServer("127.0.0.1", 2, ["h", "h"])
+    problems = []
+    try:
+        a, a_stream = _pmi_client(server.address)
+        b, b_stream = _pmi_client(server.address)
+        b_stream.write(b"cmd=barrier_in\n")
+        a_stream.write(b"cmd=barrier_in\n")
+        if a_stream.readline() != b"cmd=barrier_out rc=0\n" or b_stream.readline() != b"cmd=barrier_out rc=0\n":
+            problems.append("a barrier both processes entered did not complete")
+        a_stream.write(b"cmd=barrier_in\n")  # rank 0 enters the next one (in MPI_Finalize, say) ...
+        b_stream.close()
+        b.close()  # ... and rank 1 dies
+        reply = a_stream.readline()
+        if not reply.startswith(b"cmd=barrier_out rc=-1"):
+            problems.append(f"the waiting process got {reply!r}, not an error")
+        a_stream.close()
+        a.close()
+        if not server.wait_finished(10.0):
+            problems.append("the server still counts a process as running")
+    finally:
+        server.close()
+    assert not problems, problems
 
 
 @pytest.mark.parametrize(

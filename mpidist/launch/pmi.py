@@ -85,6 +85,7 @@ class PMIServer:
         self._round = 0
         self._finished = 0
         self._connected = 0
+        self._lost = False  # a process left without finalizing: no barrier can complete any more
         self._sock = socket.create_server((host, 0), backlog=max(size, 16))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         threading.Thread(target=self._accept, name="mpidist-pmi", daemon=True).start()
@@ -101,6 +102,7 @@ class PMIServer:
             threading.Thread(target=self._serve, args=(conn,), name="mpidist-pmi-client", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        finalized = False
         with conn, conn.makefile("rwb", buffering=0) as stream:
             try:
                 for raw in stream:
@@ -111,11 +113,14 @@ class PMIServer:
                     if reply:
                         stream.write(reply.encode())
                     if line.startswith("cmd=finalize"):
+                        finalized = True
                         break
             except OSError:
                 pass
         with self._cond:
             self._finished += 1
+            # a process that died (killed, os._exit) never reaches the others' next barrier: release them
+            self._lost = self._lost or not finalized
             self._cond.notify_all()
 
     def _answer(self, msg: dict[str, str]) -> str:
@@ -143,8 +148,9 @@ class PMIServer:
                 return "cmd=get_result rc=-1 msg=key_not_found\n"
             return f"cmd=get_result rc=0 value={value}\n"
         if cmd == "barrier_in":
-            self._barrier()
-            return "cmd=barrier_out rc=0\n"
+            if self._barrier():
+                return "cmd=barrier_out rc=0\n"
+            return "cmd=barrier_out rc=-1 msg=a_process_left_without_finalizing_MPI\n"
         if cmd == "finalize":
             return "cmd=finalize_ack rc=0\n"
         if cmd == "abort":
@@ -152,7 +158,8 @@ class PMIServer:
             return ""
         return f"cmd={cmd} rc=-1 msg=unsupported_by_mpidist_pmi\n"
 
-    def _barrier(self) -> None:
+    def _barrier(self) -> bool:
+        """Wait until every process has entered this barrier (True), or one has left without finalizing (False)."""
         with self._cond:
             mine = self._round
             self._arrived += 1
@@ -161,7 +168,10 @@ class PMIServer:
                 self._round += 1
                 self._cond.notify_all()
             while self._round == mine:
+                if self._lost:
+                    return False
                 self._cond.wait()
+            return True
 
     # -- shutting down ------------------------------------------------------------------
     def wait_finished(self, timeout_s: float | None = None) -> bool:
