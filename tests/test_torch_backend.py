@@ -367,52 +367,49 @@ def test_detail_checks_catch_a_mismatch_on_every_rank(pg):
         dist.set_debug_level(before)
 
 
-def test_a_missing_rank_times_out_through_torch(pg):
+def _expect_timeout_without_rank_0(
+    group_timeout: float, call: Callable[[Any], Any], expected: str, late: Callable[[Any], Any] | None = None
+) -> None:
+    """Rank 0 sleeps (then runs ``late(g)``, if given) while the others run ``call(g)`` on a new group: they must
+    raise DistBackendError with ``expected`` in its message within 3 s."""
     if SIZE == 1:
         pytest.skip("needs a rank to miss the call")
-    g = tdist.new_group(timeout=timedelta(seconds=1))
+    g = tdist.new_group(timeout=timedelta(seconds=group_timeout))
     problems = []
     if RANK == 0:
-        time.sleep(2.0)
+        time.sleep(2.5)
+        if late is not None:
+            late(g)
     else:
         start = time.monotonic()
         try:
-            tdist.all_reduce(torch.ones(2), group=g)
-            problems.append("all_reduce without rank 0 returned")
+            call(g)
+            problems.append("the call without rank 0 returned")
         except RuntimeError as exc:
             took = time.monotonic() - start
-            if not isinstance(exc, dist.DistBackendError) or "Rank 0: no answer" not in str(exc) or took > 3.0:
+            if not isinstance(exc, dist.DistBackendError) or expected not in str(exc) or took > 3.0:
                 problems.append(f"after {took:.1f} s: {type(exc).__name__}: {exc}")
     MPI.COMM_WORLD.barrier()
     tdist.destroy_process_group(g)
     fail_together(problems)
+
+
+def test_a_missing_rank_times_out_through_torch(pg):
+    _expect_timeout_without_rank_0(1, lambda g: tdist.all_reduce(torch.ones(2), group=g), "Rank 0: no answer")
 
 
 @pytest.mark.parametrize("async_op", [False, True])
 def test_barrier_timeout_bounds_the_wait_through_torch(pg, async_op):
     """``barrier(timeout=1 s)`` on a group whose timeout is 30 s, rank 0 late: the barrier (blocking, or the
     ``wait()`` of its Work) gives up after its own 1 s, not the group's 30 s."""
-    if SIZE == 1:
-        pytest.skip("needs a rank to be late")
-    g = tdist.new_group(timeout=timedelta(seconds=30))
-    problems = []
-    if RANK == 0:
-        time.sleep(2.5)
-        tdist.barrier(group=g)  # joins the others' barrier, which they stopped waiting for
-    else:
-        start = time.monotonic()
-        try:
-            w = tdist.barrier(group=g, async_op=async_op, timeout=timedelta(seconds=1))
-            if w is not None:
-                w.wait()
-            problems.append("barrier without rank 0 returned")
-        except RuntimeError as exc:
-            took = time.monotonic() - start
-            if not isinstance(exc, dist.DistBackendError) or "within the timeout of 1 s" not in str(exc) or took > 3.0:
-                problems.append(f"after {took:.1f} s: {type(exc).__name__}: {exc}")
-    MPI.COMM_WORLD.barrier()
-    tdist.destroy_process_group(g)
-    fail_together(problems)
+
+    def call(g: Any) -> None:
+        w = tdist.barrier(group=g, async_op=async_op, timeout=timedelta(seconds=1))
+        if w is not None:
+            w.wait()
+
+    # rank 0 then joins the others' barrier, which they stopped waiting for
+    _expect_timeout_without_rank_0(30, call, "within the timeout of 1 s", late=lambda g: tdist.barrier(group=g))
 
 
 # -- DDP, its hooks, post-local SGD and FSDP2, against gloo ---------------------------------
