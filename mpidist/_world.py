@@ -83,6 +83,7 @@ class World:
         self.persistent_routines: dict[str, bool] = {}  # MPI-4 *_init routines this MPI library runs (probed)
         self.self_truncation_reported: bool | None = None  # MPI reports a longer message to self (probed)
         self.staging_warned = False  # the one-time warning about staging device arrays through host memory
+        self.direct: Any = None  # backends.direct.DirectState: whether the MPI backend calls MPI directly (once)
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
         self.survey_count = 0  # timeout diagnoses started here (see diagnose/stall.py)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _listed() -> set[str]:
-    """Module paths (relative to mpidist/) named in the first code block of docs/design.md."""
+    """Module paths (relative to mpidist/; Python and C) named in the first code block of docs/design.md."""
     text = (ROOT / "docs" / "design.md").read_text()
     block = re.search(r"```\n(mpidist/__init__\.py.*?)```", text, re.S)
     assert block, "docs/design.md has no layer table starting with mpidist/__init__.py"
@@ -28,16 +28,16 @@ def _listed() -> set[str]:
             directory = match.group(1)
         elif not indented and left.strip():
             directory = ""
-        for name in re.findall(r"([\w/]+\.py)", left):
+        for name in re.findall(r"([\w/]+\.(?:py|c))\b", left):
             name = name.removeprefix("mpidist/")
             names.add(f"{directory}{name}" if indented or name == "__init__.py" and directory else name)
-        for name in re.findall(r"(\w+\.py)", line[27:]):  # modules named in the description column
+        for name in re.findall(r"(\w+\.(?:py|c))\b", line[27:]):  # modules named in the description column
             names.add(f"{directory}{name}" if directory else name)
     return names
 
 
 def test_every_module_is_in_the_layer_table_and_every_entry_exists():
-    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    modules = {str(p.relative_to(PACKAGE)) for ext in ("*.py", "*.c") for p in PACKAGE.rglob(ext)}
     listed = _listed()
     missing = sorted(modules - listed)
     stale = sorted(listed - modules)

@@ -42,6 +42,7 @@ from ..reduce_op import (
 )  # fmt: skip
 from ..work import Work, poll
 from .base import BaseBackend
+from .direct import calls_kind, make_calls
 from .mpi_persistent import MPIPersistent, arrived, posted_receive, receive_size_error
 
 __all__ = ["MPIBackend", "type_table"]
@@ -51,6 +52,7 @@ BYTE = MPI.BYTE
 ANY_SOURCE = MPI.ANY_SOURCE
 ERR_TRUNCATE = MPI.ERR_TRUNCATE
 Op = MPI.Op
+_REQUEST = MPI.Request
 ndarray = np.ndarray
 
 _PRIM_OPS = {
@@ -280,17 +282,16 @@ class MPIBackend(MPIPersistent, BaseBackend):
     ) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name, global_ranks)
         self.comm = comm
-        # bound once: the latency-critical collectives call these on every operation
-        self._iallreduce = comm.Iallreduce
-        self._ibcast = comm.Ibcast
-        self._iallgather = comm.Iallgather
-        self._ireduce_scatter_block = comm.Ireduce_scatter_block
-        self._ireduce_scatter = comm.Ireduce_scatter
-        self._ialltoall = comm.Ialltoall
+        # the latency-critical collectives: one call each, straight to MPI where the C module binds (direct.py)
+        self._calls = make_calls(comm)
         self._owns_comm = owns_comm
         self._types = type_table()
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
         self._epoch = 0  # monitored_barrier calls on this communicator
+
+    def mpi_calls(self) -> str:
+        """``"direct"`` if the hot collectives call MPI from C (``direct.py``), else ``"mpi4py"``."""
+        return calls_kind(self._calls)
 
     def next_epoch(self) -> int:
         """Number the next monitored_barrier on this communicator (the same on every rank)."""
@@ -397,14 +398,22 @@ class MPIBackend(MPIPersistent, BaseBackend):
         raise TypeError(f"{fn}: the MPI backend cannot send {a.dtype.name} arrays")  # pragma: no cover
 
     def _done(
-        self, op: str, req: MPI.Request, post: Callable[[], None] | None, keep: Any, async_op: bool
+        self, op: str, req: MPI.Request | int, post: Callable[[], None] | None, keep: Any, async_op: bool
     ) -> Work | None:
         """Return a Work for ``req``, or wait for it (within the timeout) and finish: every call ends here.
 
+        ``req`` is an ``MPI.Request`` or what the hot calls returned (``backends/direct.py``): 0 when
+        the C calls saw the operation complete, else the pending request's handle.
         A blocking call tests once (a small operation is usually complete by then:
         MPICH progresses it inside the nonblocking call) and only then enters the
         polling wait; ``keep`` holds the buffers until MPI is done with them.
         """
+        if type(req) is int:  # from the C calls: 0 if it completed there, else the pending request's handle
+            if not req and not async_op:
+                if post is not None:
+                    post()
+                return None
+            req = _REQUEST.fromhandle(req) if req else MPI.REQUEST_NULL
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:  # one test first: a small operation is often complete; else poll until the timeout
@@ -572,7 +581,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 lambda s, r, o: comm.Iallreduce(s, r, o), backs, async_op,
             )  # fmt: skip
         try:
-            req = self._iallreduce(IN_PLACE, [buf, e.mpi], mop)
+            req = self._calls.allreduce(buf, e.mpi, mop, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("all_reduce", exc) from exc
         return self._done("all_reduce", req, None, buf, async_op)
@@ -588,9 +597,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 "reduce", e, op, buf, buf if at_root else None, at_root,
                 lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
             )  # fmt: skip
-        msg = [buf, e.mpi]
         try:
-            req = comm.Ireduce(IN_PLACE, msg, mop, root) if at_root else comm.Ireduce(msg, None, mop, root)
+            req = self._calls.reduce(buf, e.mpi, mop, root, at_root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce", exc) from exc
         return self._done("reduce", req, None, buf, async_op)
@@ -607,13 +615,10 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 "reduce_scatter_tensor", e, op, inp, out, False,
                 lambda s, r, o: comm.Ireduce_scatter(s, r, None, o), backs, async_op,
             )  # fmt: skip
-        smsg = [inp, e.mpi]
-        rmsg = [out, e.mpi]
+        calls = self._calls
         try:
-            if inp.nbytes < _BLOCK_VARIANT_LIMIT:
-                req = self._ireduce_scatter_block(smsg, rmsg, mop)
-            else:
-                req = self._ireduce_scatter(smsg, rmsg, None, mop)
+            call = calls.reduce_scatter_block if inp.nbytes < _BLOCK_VARIANT_LIMIT else calls.reduce_scatter
+            req = call(out, inp, e.mpi, mop, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
         return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
@@ -645,7 +650,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "broadcast")
         try:
-            req = self._ibcast([buf, e.mpi], root)
+            req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
         post = None if not backs else then_write_back(None, backs)
@@ -654,19 +659,19 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def all_gather_into_tensor(self, out: ndarray, backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(out.dtype) or self._bad_dtype(out, "all_gather_into_tensor")
-        smsg: Any = [inp, e.mpi]
+        send: ndarray | None = inp
         if _arrays.may_overlap(out, inp):
             mine = inp.nbytes * self.rank
             if inp.nbytes and _address(inp) == _address(out) + mine:
-                smsg = IN_PLACE  # the input already sits in this rank's slot of the output
+                send = None  # in place: the input already sits in this rank's slot of the output
             else:
-                smsg = [self._separate(inp), e.mpi]
+                send = self._separate(inp)
         try:
-            req = self._iallgather(smsg, [out, e.mpi])
+            req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
         post = None if not backs else then_write_back(None, backs)
-        return self._done("all_gather_into_tensor", req, post, (out, smsg), async_op)
+        return self._done("all_gather_into_tensor", req, post, (out, send), async_op)
 
     def all_gather(self, outs: Sequence[ndarray], backs: Any, inp: ndarray, async_op: bool) -> Work | None:
         self.seq += 1
@@ -744,7 +749,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         try:
             if out_counts is None or in_counts is None:
-                req = self._ialltoall([inp, e.mpi], [out, e.mpi])
+                req = self._calls.alltoall(out, inp, e.mpi, 0 if async_op else self.spins)
             else:
                 req = self.comm.Ialltoallv(
                     [inp, in_counts, displacements(in_counts), e.mpi],

@@ -25,13 +25,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pytest
 
 from .standin import HostCudaArray
 
-__all__ = ["vote", "init_default_group", "calls_issued", "HostCudaArray"]
+__all__ = ["vote", "init_default_group", "calls_issued", "mpi_calls", "mpi4py_calls", "HostCudaArray"]
 
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
 VOTE_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_VOTE_TIMEOUT", "240"))
@@ -71,6 +72,30 @@ def backend_of(group: Any = None, device: str = "cpu") -> Any:
     around it at a debug level above OFF; None if none was made yet). Test support: which backend serves a
     group, with what timeout."""
     return _member(group, "backend_of").backend(device)
+
+
+def mpi_calls(group: Any = None) -> str:
+    """How ``group``'s MPI backend (default: the world's) makes its hot collectives' MPI calls: ``"direct"``
+    (the C module, ``backends/direct.py``) or ``"mpi4py"``. Test support."""
+    return backend_of(group).mpi_calls()
+
+
+@contextmanager
+def mpi4py_calls() -> Iterator[None]:
+    """Groups made inside this block call MPI through mpi4py, as with ``MPIDIST_DIRECT_MPI=0``.
+
+    Test support: the same calls on a group made inside and one made outside must
+    give the same results. Groups keep their calls when the block ends.
+    """
+    from .._world import world
+    from ..backends.direct import DirectState, bind
+
+    saved = bind()
+    world.direct = DirectState(None, "made inside mpidist.testing.mpi4py_calls()")
+    try:
+        yield
+    finally:
+        world.direct = saved
 
 
 def _member(group: Any, fn: str) -> Any:

@@ -1,0 +1,230 @@
+"""The MPI backend's direct MPI calls (backends/_direct.c) against the same calls through mpi4py.
+
+Groups made inside ``mpidist.testing.mpi4py_calls()`` call MPI through mpi4py;
+the others call it from C. Every hot collective must give both the numpy
+reference and the bits the mpi4py path gives, blocking and async; whatever the C
+calls do not take must reach mpi4py with the same arguments; MPI errors must
+surface as mpi4py's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist as dist
+from mpidist._validate import env_flag
+from mpidist.backends.direct import MPI4pyCalls, direct_status, make_calls
+from mpidist.testing import mpi4py_calls, mpi_calls
+
+from helpers import ALL_DTYPES, Checks, kind, rank_input, reference
+
+pytestmark = pytest.mark.timeout(120)
+
+R = dist.ReduceOp
+
+
+@pytest.fixture(scope="module")
+def two_groups():
+    """(a group calling MPI from C, one calling it through mpi4py), over every rank."""
+    direct = dist.new_group()
+    with mpi4py_calls():
+        through = dist.new_group()
+    yield direct, through
+    dist.destroy_process_group(direct)
+    dist.destroy_process_group(through)
+
+
+def test_calls_go_straight_to_mpi_where_the_module_is_built():
+    """On Linux (the CI machines) the C module must build and bind to MPICH and Open MPI alike."""
+    if sys.platform != "linux" or not env_flag("MPIDIST_DIRECT_MPI", default=True):
+        pytest.skip("direct MPI calls are only required on Linux with MPIDIST_DIRECT_MPI unset")
+    assert direct_status() == "direct"
+    assert mpi_calls() == "direct"
+
+
+def test_the_two_groups_use_the_two_paths(two_groups):
+    direct, through = two_groups
+    assert mpi_calls(through) == "mpi4py"
+    assert mpi_calls(direct) == ("direct" if direct_status() == "direct" else "mpi4py")
+
+
+def _op_for(dtype: np.dtype):
+    """An op MPI computes on ``dtype`` in one call (the direct path): SUM, or BOR on bool."""
+    return R.BOR if kind(dtype) == "b" else R.SUM
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_hot_collective_gives_the_same_bits_on_both_paths(two_groups, dtype, async_op, rank, world_size):
+    checks = Checks()
+    n = world_size
+    results = []
+    for g in two_groups:
+
+        def run(work):
+            if async_op:
+                checks.true(f"{dtype}: async_op=True returned {work!r}, not a Work", work is not None)
+                if work is not None:
+                    work.wait()
+            else:
+                checks.true(f"{dtype}: a blocking call returned {work!r}", work is None)
+
+        got = {}
+        op = _op_for(dtype)
+        x = rank_input(rank, (5,), dtype)
+        run(dist.all_reduce(x, op=op, group=g, async_op=async_op))
+        got["all_reduce"] = x
+        for root in range(n):
+            y = rank_input(rank, (3,), dtype, salt=root)
+            run(dist.reduce(y, dst=root, op=op, group=g, async_op=async_op))
+            got[f"reduce to {root}"] = y
+            b = rank_input(rank, (2, 3), dtype, salt=root)
+            run(dist.broadcast(b, src=root, group=g, async_op=async_op))
+            got[f"broadcast from {root}"] = b
+        out = np.zeros((n * 4,), dtype)
+        run(dist.all_gather_into_tensor(out, rank_input(rank, (4,), dtype), group=g, async_op=async_op))
+        got["all_gather_into_tensor"] = out
+        inplace = np.zeros((n, 3), dtype)
+        inplace[rank] = rank_input(rank, (3,), dtype)
+        run(dist.all_gather_into_tensor(inplace, inplace[rank], group=g, async_op=async_op))
+        got["all_gather_into_tensor in place"] = inplace
+        rs = np.zeros(4, dtype)
+        run(dist.reduce_scatter_tensor(rs, rank_input(rank, (n * 4,), dtype), op=op, group=g, async_op=async_op))
+        got["reduce_scatter_tensor"] = rs
+        a2a = np.zeros(n * 2, dtype)
+        run(dist.all_to_all_single(a2a, rank_input(rank, (n * 2,), dtype), group=g, async_op=async_op))
+        got["all_to_all_single"] = a2a
+        results.append(got)
+
+    inputs = [rank_input(r, (5,), dtype) for r in range(n)]
+    expect = {
+        "all_reduce": reference(inputs, _op_for(dtype)),
+        "all_gather_into_tensor": np.concatenate([rank_input(r, (4,), dtype) for r in range(n)]),
+        "all_gather_into_tensor in place": np.stack([rank_input(r, (3,), dtype) for r in range(n)]),
+        "reduce_scatter_tensor": reference([rank_input(r, (n * 4,), dtype) for r in range(n)], _op_for(dtype))[
+            rank * 4 : rank * 4 + 4
+        ],
+        "all_to_all_single": np.concatenate(
+            [rank_input(r, (n * 2,), dtype)[rank * 2 : rank * 2 + 2] for r in range(n)]
+        ),
+    }
+    for root in range(n):
+        expect[f"broadcast from {root}"] = rank_input(root, (2, 3), dtype, salt=root)
+        ys = [rank_input(r, (3,), dtype, salt=root) for r in range(n)]
+        expect[f"reduce to {root}"] = reference(ys, _op_for(dtype)) if rank == root else ys[rank]
+    direct, through = results
+    for name, want in expect.items():
+        checks.equal(f"{dtype} {name} (direct)", direct[name], want)
+        checks.equal(f"{dtype} {name} (mpi4py)", through[name], want)
+        checks.true(f"{dtype} {name}: the paths differ", direct[name].tobytes() == through[name].tobytes())
+    checks.done()
+
+
+@pytest.mark.parametrize("nbytes", [0, 4, 256 << 10])
+def test_sizes_across_the_variant_limit_and_empty_arrays(two_groups, nbytes, rank, world_size):
+    """reduce_scatter_tensor switches MPI calls at 256 KiB of input; zero-size arrays are valid everywhere."""
+    checks = Checks()
+    count = nbytes // 4
+    for g in two_groups:
+        inp = np.arange(count * world_size, dtype=np.float32) + rank
+        out = np.full(count, -1, np.float32)
+        dist.reduce_scatter_tensor(out, inp, group=g)
+        base = np.arange(count * world_size, dtype=np.float64)[rank * count : (rank + 1) * count]
+        checks.equal(
+            f"{nbytes} B reduce_scatter_tensor", out, (base * world_size + sum(range(world_size))).astype(np.float32)
+        )
+        x = np.full(count, rank + 1, np.float32)
+        dist.all_reduce(x, group=g)
+        checks.equal(f"{nbytes} B all_reduce", x, np.full(count, world_size * (world_size + 1) / 2, np.float32))
+    checks.done()
+
+
+def test_an_async_call_completes_through_its_work(two_groups, rank, world_size):
+    """An async call's Work holds the real request: is_completed polls it, wait finishes it, result is the array."""
+    checks = Checks()
+    for g in two_groups:
+        x = np.full(1 << 16, float(rank))
+        w = dist.all_reduce(x, group=g, async_op=True)
+        while not w.is_completed():
+            pass
+        checks.true("is_success after completion", w.is_success())
+        checks.equal("async all_reduce", x, np.full(1 << 16, float(sum(range(world_size)))))
+        checks.true("result() is the array", w.result()[0] is x)
+    checks.done()
+
+
+class Spy:
+    """Stands in for the mpi4py calls: records what the C calls hand over."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self.seen.append((name, args))
+            return "handed over"
+
+        return call
+
+
+def _direct_over(comm: MPI.Comm, fallback) -> object:
+    if direct_status() != "direct":
+        pytest.skip(f"no direct MPI calls here: {direct_status()}")
+    from mpidist.backends import _direct
+
+    return _direct.Direct(comm.handle, comm.Get_size(), fallback)
+
+
+def test_what_the_c_calls_do_not_take_goes_to_mpi4py_unchanged():
+    comm = MPI.COMM_SELF
+    spy = Spy()
+    calls = _direct_over(comm, spy)
+    strided = np.ones(8)[::2]
+    readonly = np.ones(4)
+    readonly.flags.writeable = False
+    cases = [
+        ("allreduce", (strided, MPI.DOUBLE, MPI.SUM, 1)),  # not C-contiguous
+        ("allreduce", (readonly, MPI.DOUBLE, MPI.SUM, 1)),  # an output that is read-only
+        ("allreduce", (bytearray(8), MPI.DOUBLE, MPI.SUM, 1)),  # not a numpy array
+        ("allreduce", (np.ones(2), "DOUBLE", MPI.SUM, 1)),  # not an MPI.Datatype
+        ("allreduce", (np.ones(2), MPI.DOUBLE, MPI.SUM)),  # another number of arguments
+        ("bcast", (np.ones(2), MPI.DOUBLE, 1 << 40, 1)),  # a root past int
+        ("alltoall", (np.ones(2), np.ones(2), MPI.DOUBLE, 2.0)),  # spins not an int
+        ("reduce_scatter_block", (np.ones(1), np.ones(1), MPI.DOUBLE, MPI.DOUBLE, 1)),  # op not an MPI.Op
+    ]
+    for name, args in cases:
+        assert getattr(calls, name)(*args) == "handed over", (name, args)
+    assert len(spy.seen) == len(cases)
+    for (name, args), (seen_name, seen_args) in zip(cases, spy.seen):
+        assert seen_name == name
+        assert len(seen_args) == len(args) and all(a is b for a, b in zip(args, seen_args))
+    # a count past INT_MAX (MPI's large-count calls, through mpi4py)
+    big = np.empty(1 << 31, np.int8)  # 2 GiB of address space, never touched
+    assert calls.allreduce(big, MPI.INT8_T, MPI.SUM, 1) == "handed over"
+    assert spy.seen[-1][1][0] is big
+
+
+def test_mpi_errors_surface_as_mpi4pys(rank, world_size):
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        direct = _direct_over(comm, MPI4pyCalls(comm))
+        for calls in (direct, MPI4pyCalls(comm)):
+            with pytest.raises(MPI.Exception) as err:
+                calls.bcast(np.ones(2), MPI.DOUBLE, world_size + 3, 1)
+            assert err.value.Get_error_class() == MPI.ERR_ROOT
+    finally:
+        comm.Free()
+
+
+def test_make_calls_follows_the_process_decision():
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        with mpi4py_calls():
+            assert type(make_calls(comm)) is MPI4pyCalls
+        assert (type(make_calls(comm)) is MPI4pyCalls) == (direct_status() != "direct")
+    finally:
+        comm.Free()
