@@ -60,10 +60,10 @@ typedef Py_intptr_t H; /* a handle of either ABI, widened */
         *req = (H)r;                                                                                       \
         return rc;                                                                                         \
     }                                                                                                      \
-    static int allreduce_##SUF(void *s, void *r, int n, H dt, H op, H comm, H *req) {                      \
+    /* allreduce and reduce_scatter_block: same signature */                                             \
+    static int reduction_##SUF(int f, void *s, void *r, int n, H dt, H op, H comm, H *req) {               \
         T q;                                                                                               \
-        int rc = ((int (*)(const void *, void *, int, T, T, T, T *))S.fn[FN_IALLREDUCE])(                   \
-            s, r, n, (T)dt, (T)op, (T)comm, &q);                                                           \
+        int rc = ((int (*)(const void *, void *, int, T, T, T, T *))S.fn[f])(s, r, n, (T)dt, (T)op, (T)comm, &q); \
         *req = (H)q;                                                                                       \
         return rc;                                                                                         \
     }                                                                                                      \
@@ -85,13 +85,6 @@ typedef Py_intptr_t H; /* a handle of either ABI, widened */
         T q;                                                                                               \
         int rc = ((int (*)(const void *, int, T, void *, int, T, T, T *))S.fn[f])(                         \
             s, sn, (T)dt, r, rn, (T)dt, (T)comm, &q);                                                      \
-        *req = (H)q;                                                                                       \
-        return rc;                                                                                         \
-    }                                                                                                      \
-    static int rsb_##SUF(void *s, void *r, int n, H dt, H op, H comm, H *req) {                            \
-        T q;                                                                                               \
-        int rc = ((int (*)(const void *, void *, int, T, T, T, T *))S.fn[FN_IRSB])(                         \
-            s, r, n, (T)dt, (T)op, (T)comm, &q);                                                           \
         *req = (H)q;                                                                                       \
         return rc;                                                                                         \
     }
@@ -193,7 +186,7 @@ static PyObject *direct_allreduce(Direct *self, PyObject *const *args, Py_ssize_
     if (nargs != 4 || !array_of(args[0], 1, &b, &n) || !handle_of(args[1], S.datatype, &dt) ||
         !handle_of(args[2], S.op, &op) || !small_int(args[3], &spins))
         return fallback(self, "allreduce", args, nargs);
-    RUN(CALL(allreduce, S.in_place, b, n, dt, op, self->comm, &req))
+    RUN(CALL(reduction, FN_IALLREDUCE, S.in_place, b, n, dt, op, self->comm, &req))
 }
 
 /* reduce(buf, datatype, op, root, at_root, spins): in place at the root, send only elsewhere */
@@ -262,7 +255,7 @@ static PyObject *direct_reduce_scatter_block(Direct *self, PyObject *const *args
     if (nargs != 5 || !array_of(args[0], 1, &o, &on) || !array_of(args[1], 0, &i, &in) ||
         !handle_of(args[2], S.datatype, &dt) || !handle_of(args[3], S.op, &op) || !small_int(args[4], &spins))
         return fallback(self, "reduce_scatter_block", args, nargs);
-    RUN(CALL(rsb, i, o, on, dt, op, self->comm, &req))
+    RUN(CALL(reduction, FN_IRSB, i, o, on, dt, op, self->comm, &req))
 }
 
 /* reduce_scatter(out, inp, datatype, op, spins), the vector call: always through mpi4py. MPI reads its
