@@ -1,7 +1,11 @@
-"""Build the one C extension (the MPI backend's direct calls); everything else is in pyproject.toml.
+"""Build the two C extensions; everything else is in pyproject.toml.
 
-The extension is optional: where it cannot be built (no C compiler), mpidist installs
-without it and the MPI backend calls MPI through mpi4py (``mpidist.backends.lane``).
+* ``mpidist.arrays._ready``: the array layer's readiness check (``arrays/host.py``);
+* ``mpidist.backends._direct``: the MPI backend's hot collectives as direct MPI calls
+  (``backends/direct.py``).
+
+Both are optional: where they cannot be built (no C compiler), mpidist installs
+without them and runs the same Python code they speed up.
 """
 
 import numpy
@@ -9,12 +13,10 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension(
-            "mpidist.backends._direct",
-            ["mpidist/backends/_direct.c"],
-            include_dirs=[numpy.get_include()],
-            extra_compile_args=["-O2"],
-            optional=True,
-        )
+        Extension(name, [source], include_dirs=[numpy.get_include()], extra_compile_args=["-O2"], optional=True)
+        for name, source in [
+            ("mpidist.arrays._ready", "mpidist/arrays/_ready.c"),
+            ("mpidist.backends._direct", "mpidist/backends/_direct.c"),
+        ]
     ]
 )

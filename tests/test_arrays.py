@@ -793,6 +793,82 @@ def test_may_overlap():
     assert _arrays.may_overlap(a[:5], b[5:]) is False
 
 
+def _c_and_python():
+    """(name, C function, Python function) of the array layer's checks; skipped where the C module is not built."""
+    names = ("prepare_input", "prepare_output", "prepare_inout", "prepare_pair", "may_overlap")
+    if _arrays.prepare_input is _arrays.IN_PYTHON[0]:
+        pytest.skip("mpidist.arrays._ready was not built")
+    return [(n, getattr(_arrays, n), py) for n, py in zip(names, _arrays.IN_PYTHON)]
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+def _array_cases() -> list:
+    """Arrays ready as they are and arrays that are not, for each reason."""
+    base = np.arange(24.0)
+    readonly = np.arange(4)
+    readonly.flags.writeable = False
+    cases = [
+        np.ones(3), np.zeros((2, 3), np.float32), np.empty(0), np.array(5, np.int8), base[4:10],  # ready
+        np.ones(3, ml_dtypes.bfloat16), np.zeros(2, np.complex64), np.zeros(4, bool),
+        base[::2], base.reshape(4, 6).T, readonly,  # strided, transposed, read-only
+        np.array(["a"]), np.zeros(2, ">f8"), np.zeros(2, [("x", "i4")]),  # unsupported dtypes
+        np.ma.masked_array([1.0, 2.0], mask=[0, 1]), np.ones(2).view(_Sub),  # subclasses
+        [1.0, 2.0], 3.0, None,  # not arrays
+    ]  # fmt: skip
+    return cases
+
+
+def _outcome(fn, *args):
+    """What ``fn(*args)`` gives: its result (arrays by identity or values) or the exception it raises."""
+    try:
+        result = fn(*args)
+    except (TypeError, ValueError) as exc:
+        return (type(exc), str(exc))
+    parts = result if isinstance(result, tuple) else (result,)
+    return tuple(
+        ("same", id(p)) if any(p is a for a in args) else (type(p), None if p is None else np.asarray(p).tobytes())
+        for p in parts
+    )
+
+
+def test_the_checks_in_c_answer_as_the_python_functions():
+    """arrays/_ready.c answers ready arrays itself and must agree with host.py on every case, either way."""
+    checks = _c_and_python()
+    cases = _array_cases()
+    for name, c, py in checks:
+        if name == "may_overlap":
+            base = np.arange(24.0)
+            pairs = [
+                (base, base), (base[:12], base[12:]), (base[:13], base[12:]), (base[::2], base[1::2]),
+                (base.reshape(4, 6).T, base[23:]), (base[::-1], base[:1]), (base[:0], base), (base, np.arange(3.0)),
+                (base.reshape(4, 6)[:, :2], base.reshape(4, 6)[:, 2:]),
+            ]  # fmt: skip
+            for a, b in pairs:
+                assert c(a, b) is py(a, b) is bool(np.may_share_memory(a, b)), (a.shape, b.shape)
+            continue
+        for x in cases:
+            if name == "prepare_pair":
+                for y in cases[:8]:
+                    assert _outcome(c, x, y, "f", "o", "i") == _outcome(py, x, y, "f", "o", "i"), (name, x, y)
+            else:
+                assert _outcome(c, x, "f", "a") == _outcome(py, x, "f", "a"), (name, x)
+                assert _outcome(c, x, "f", "a", 3) == _outcome(py, x, "f", "a", 3), (name, x)
+
+
+def test_the_checks_in_c_pass_ready_arrays_through_without_a_copy():
+    _c_and_python()
+    a, b = np.ones(4), np.zeros(4)
+    assert _arrays.prepare_input(a, "f", "a") is a
+    assert _arrays.prepare_output(a, "f", "a") == (a, None)
+    assert _arrays.prepare_output(a, "f", "a")[0] is a
+    out, target, inp = _arrays.prepare_pair(a, b, "f", "o", "i")
+    assert out is a and target is None and inp is b
+    assert _arrays.prepare_input(a, "f", arg="a") is a  # keywords reach the same answer
+
+
 def test_dtype_info():
     expected_kinds = {
         np.bool_: "b", np.int8: "i", np.int16: "i", np.int32: "i", np.int64: "i",

@@ -590,9 +590,9 @@ class MPIBackend(MPIPersistent, BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "reduce")
         mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        comm = self.comm
         at_root = self.rank == root
         if type(mop) is not Op or backs is not None:
+            comm = self.comm
             return self._reduction(
                 "reduce", e, op, buf, buf if at_root else None, at_root,
                 lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
@@ -609,16 +609,17 @@ class MPIBackend(MPIPersistent, BaseBackend):
         if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        comm = self.comm
         if type(mop) is not Op or backs is not None:
+            comm = self.comm
             return self._reduction(
                 "reduce_scatter_tensor", e, op, inp, out, False,
                 lambda s, r, o: comm.Ireduce_scatter(s, r, None, o), backs, async_op,
             )  # fmt: skip
-        calls = self._calls
         try:
-            call = calls.reduce_scatter_block if inp.nbytes < _BLOCK_VARIANT_LIMIT else calls.reduce_scatter
-            req = call(out, inp, e.mpi, mop, 0 if async_op else self.spins)
+            if inp.nbytes < _BLOCK_VARIANT_LIMIT:
+                req = self._calls.reduce_scatter_block(out, inp, e.mpi, mop, 0 if async_op else self.spins)
+            else:
+                req = self._calls.reduce_scatter(out, inp, e.mpi, mop, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
         return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
