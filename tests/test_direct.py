@@ -176,7 +176,7 @@ def _direct_over(comm: MPI.Comm, fallback) -> object:
         pytest.skip(f"no direct MPI calls here: {direct_status()}")
     from mpidist.backends import _direct
 
-    return _direct.Direct(comm.handle, comm.Get_size(), fallback)
+    return _direct.Direct(comm.handle, comm.Get_rank(), comm.Get_size(), fallback)
 
 
 def test_what_the_c_calls_do_not_take_goes_to_mpi4py_unchanged():
@@ -206,6 +206,36 @@ def test_what_the_c_calls_do_not_take_goes_to_mpi4py_unchanged():
     big = np.empty(1 << 31, np.int8)  # 2 GiB of address space, never touched
     assert calls.allreduce(big, MPI.INT8_T, MPI.SUM, 1) == "handed over"
     assert spy.seen[-1][1][0] is big
+
+
+def test_a_direct_object_needs_a_rank_of_its_group():
+    from mpidist.backends import _direct
+
+    _direct_over(MPI.COMM_SELF, Spy())
+    for rank, size in ((1, 1), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="0 <= rank < size"):
+            _direct.Direct(MPI.COMM_SELF.handle, rank, size, Spy())
+
+
+def test_a_reduce_sends_a_read_only_array_from_a_rank_that_is_not_the_root(rank, world_size):
+    """Off the root the array is only read: the C call takes it; at the root it must be writeable."""
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        spy = Spy()
+        calls = _direct_over(comm, spy)
+        a = np.full(2, rank + 1, np.int64)
+        a.flags.writeable = False
+        root = world_size - 1
+        if rank == root:
+            assert calls.reduce(a, MPI.INT64_T, MPI.SUM, root, 1) == "handed over"
+            a = np.full(2, rank + 1, np.int64)
+        handle = calls.reduce(a, MPI.INT64_T, MPI.SUM, root, 0)
+        assert handle != 0 and handle != "handed over"
+        MPI.Request.fromhandle(handle).Wait()
+        if rank == root:
+            assert a.tolist() == [world_size * (world_size + 1) // 2] * 2
+    finally:
+        comm.Free()
 
 
 def test_mpi_errors_surface_as_mpi4pys(rank, world_size):

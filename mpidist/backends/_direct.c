@@ -98,7 +98,7 @@ CALLS(p, void *)
 typedef struct {
     PyObject_HEAD
     H comm;
-    int size;
+    int rank, size;
     PyObject *fallback;
 } Direct;
 
@@ -189,19 +189,16 @@ static PyObject *direct_allreduce(Direct *self, PyObject *const *args, Py_ssize_
     RUN(CALL(reduction, FN_IALLREDUCE, S.in_place, b, n, dt, op, self->comm, &req))
 }
 
-/* reduce(buf, datatype, op, root, at_root, spins): in place at the root, send only elsewhere */
+/* reduce(buf, datatype, op, root, spins): in place at the root, send only elsewhere */
 static PyObject *direct_reduce(Direct *self, PyObject *const *args, Py_ssize_t nargs) {
     void *b;
     int n, root, spins;
     H dt, op;
-    if (nargs != 6 || !handle_of(args[1], S.datatype, &dt) || !handle_of(args[2], S.op, &op) ||
-        !small_int(args[3], &root) || !small_int(args[5], &spins))
+    if (nargs != 5 || !handle_of(args[1], S.datatype, &dt) || !handle_of(args[2], S.op, &op) ||
+        !small_int(args[3], &root) || !small_int(args[4], &spins))
         return fallback(self, "reduce", args, nargs);
-    int at_root = PyObject_IsTrue(args[4]);
-    if (at_root < 0 || !array_of(args[0], at_root, &b, &n)) {
-        PyErr_Clear();
-        return fallback(self, "reduce", args, nargs);
-    }
+    int at_root = root == self->rank;
+    if (!array_of(args[0], at_root, &b, &n)) return fallback(self, "reduce", args, nargs);
     void *s = at_root ? S.in_place : b, *r = at_root ? b : NULL;
     RUN(CALL(reduce, s, r, n, dt, op, root, self->comm, &req))
 }
@@ -267,20 +264,21 @@ static PyObject *direct_reduce_scatter(Direct *self, PyObject *const *args, Py_s
 
 static int direct_init(Direct *self, PyObject *args, PyObject *kwds) {
     PyObject *comm, *fb;
-    int size;
-    static char *kw[] = {"comm", "size", "fallback", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiO:Direct", kw, &comm, &size, &fb)) return -1;
+    int rank, size;
+    static char *kw[] = {"comm", "rank", "size", "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiiO:Direct", kw, &comm, &rank, &size, &fb)) return -1;
     if (!S.bound) {
         PyErr_SetString(PyExc_RuntimeError, "Direct: bind() the MPI library first");
         return -1;
     }
-    if (size < 1) {
-        PyErr_SetString(PyExc_ValueError, "Direct: size must be at least 1");
+    if (size < 1 || rank < 0 || rank >= size) {
+        PyErr_SetString(PyExc_ValueError, "Direct: need 0 <= rank < size");
         return -1;
     }
     unsigned long long h = PyLong_AsUnsignedLongLongMask(comm);
     if (h == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     self->comm = (H)h;
+    self->rank = rank;
     self->size = size;
     Py_INCREF(fb);
     Py_XSETREF(self->fallback, fb);
@@ -300,7 +298,7 @@ static PyTypeObject DirectType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mpidist.backends._direct.Direct",
     .tp_basicsize = sizeof(Direct),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Direct(comm, size, fallback): one communicator's hot collectives as direct MPI calls",
+    .tp_doc = "Direct(comm, rank, size, fallback): one communicator's hot collectives as direct MPI calls",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)direct_init,
     .tp_dealloc = (destructor)direct_dealloc,

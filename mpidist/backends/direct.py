@@ -44,9 +44,10 @@ IN_PLACE = MPI.IN_PLACE
 class MPI4pyCalls:
     """The hot collectives through mpi4py: each returns the ``MPI.Request`` of the posted operation."""
 
-    __slots__ = ("_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs")
+    __slots__ = ("_rank", "_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs")
 
     def __init__(self, comm: MPI.Comm) -> None:
+        self._rank = comm.Get_rank()
         self._iallreduce = comm.Iallreduce
         self._ireduce = comm.Ireduce
         self._ibcast = comm.Ibcast
@@ -59,10 +60,10 @@ class MPI4pyCalls:
         """In place."""
         return self._iallreduce(IN_PLACE, [buf, dt], op)
 
-    def reduce(self, buf: Any, dt: MPI.Datatype, op: MPI.Op, root: int, at_root: bool, spins: int) -> MPI.Request:
+    def reduce(self, buf: Any, dt: MPI.Datatype, op: MPI.Op, root: int, spins: int) -> MPI.Request:
         """In place at the root; elsewhere ``buf`` is only sent."""
         msg = [buf, dt]
-        return self._ireduce(IN_PLACE, msg, op, root) if at_root else self._ireduce(msg, None, op, root)
+        return self._ireduce(IN_PLACE, msg, op, root) if root == self._rank else self._ireduce(msg, None, op, root)
 
     def bcast(self, buf: Any, dt: MPI.Datatype, root: int, spins: int) -> MPI.Request:
         return self._ibcast([buf, dt], root)
@@ -114,7 +115,7 @@ def make_calls(comm: MPI.Comm) -> Any:
     module = bind().module
     if module is None:
         return fallback
-    return module.Direct(comm.handle, comm.Get_size(), fallback)
+    return module.Direct(comm.handle, comm.Get_rank(), comm.Get_size(), fallback)
 
 
 def calls_kind(calls: Any) -> str:
@@ -154,7 +155,7 @@ def _self_check(module: Any) -> str:
         if module.handle(obj, kind) != obj.handle:
             return f"mpi4py's objects hold their handles elsewhere than this module reads them ({obj})"
     comm = MPI.COMM_SELF
-    calls = module.Direct(comm.handle, 1, MPI4pyCalls(comm))
+    calls = module.Direct(comm.handle, 0, 1, MPI4pyCalls(comm))
     a = np.array([3, -2, 7], np.int64)
     out = np.zeros(3, np.int64)
     many = 1 << 20  # tests: one rank completes at once

@@ -590,15 +590,15 @@ class MPIBackend(MPIPersistent, BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "reduce")
         mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        at_root = self.rank == root
         if type(mop) is not Op or backs is not None:
             comm = self.comm
+            at_root = self.rank == root
             return self._reduction(
                 "reduce", e, op, buf, buf if at_root else None, at_root,
                 lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
             )  # fmt: skip
         try:
-            req = self._calls.reduce(buf, e.mpi, mop, root, at_root, 0 if async_op else self.spins)
+            req = self._calls.reduce(buf, e.mpi, mop, root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce", exc) from exc
         return self._done("reduce", req, None, buf, async_op)
