@@ -42,7 +42,7 @@ from .errors import DistBackendError
 from .p2p import tag_value
 from .process_group import ProcessGroup, absent, resolve_group
 from .reduce_op import check_op
-from .work import poll
+from .work import chain, poll
 
 __all__ = [
     "Persistent",
@@ -94,7 +94,7 @@ class Persistent:
         self._stuck = False  # a run that failed may still be going inside MPI: never free its request
         self._gone = ""  # why it was freed, when not by free()
         self._state = _NEW
-        self._go = self._starter(_chain(_copy_ins(fills), plan.pre))
+        self._go = self._starter(chain(_copy_ins(fills), plan.pre))
         self._test = plan.test
         self._post = plan.post
 
@@ -419,17 +419,6 @@ def _copy_ins(fills: list[tuple[Any, Any]] | None) -> Callable[[], None] | None:
             copy_in(buf, source)
 
     return fill
-
-
-def _chain(first: Callable[[], None] | None, then: Callable[[], None] | None) -> Callable[[], None] | None:
-    if first is None or then is None:
-        return first or then
-
-    def both() -> None:
-        first()
-        then()
-
-    return both
 
 
 def _made(pg: ProcessGroup, plan: PersistentPlan, fills: Any, arrays: tuple) -> Persistent:

@@ -28,7 +28,16 @@ from typing import Any, Callable, Sequence
 from ._validate import timeout_seconds
 from .diagnose import stall
 
-__all__ = ["Work", "Future", "poll", "poll_slowly", "timeout_seconds", "SPINS_IDLE_CORES", "SPINS_OVERSUBSCRIBED"]
+__all__ = [
+    "Work",
+    "Future",
+    "chain",
+    "poll",
+    "poll_slowly",
+    "timeout_seconds",
+    "SPINS_IDLE_CORES",
+    "SPINS_OVERSUBSCRIBED",
+]
 
 _perf = time.perf_counter
 _yield = os.sched_yield
@@ -63,6 +72,18 @@ def poll(
             with stall.waiting(*activity):
                 return poll_slowly(test, timeout_s, stall.serve)
     return True
+
+
+def chain(first: Callable[[], None] | None, then: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One step that calls ``first`` and then ``then``; either may be None (None if both are)."""
+    if first is None or then is None:
+        return first or then
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def poll_slowly(test: Callable[[], Any], timeout_s: float, idle: Callable[[], None] | None = None) -> bool:

@@ -37,7 +37,7 @@ from .._world import world
 from ..arrays import host as _arrays
 from ..arrays.host import displacements, then_write_back
 from ..reduce_op import RedOpType
-from ..work import poll
+from ..work import chain, poll
 from .base import PersistentPlan
 
 __all__ = ["MPIPersistent", "available", "receive_size_error", "posted_receive", "arrived"]
@@ -95,17 +95,6 @@ def available(routine: str) -> bool:
 def _free(req: MPI.Prequest) -> None:
     if not MPI.Is_finalized():
         req.Free()
-
-
-def _chain(first: Callable[[], None] | None, then: Callable[[], None] | None) -> Callable[[], None] | None:
-    if first is None or then is None:
-        return first or then
-
-    def both() -> None:
-        first()
-        then()
-
-    return both
 
 
 def _separate(inp: ndarray) -> tuple[ndarray, Callable[[], None]]:
@@ -232,7 +221,7 @@ class MPIPersistent:
         """A persistent reduction ``init(send message, recv message, op)`` (see ``MPIBackend._reduction_plan``)."""
         smsg, rmsg, mop, prepare, finish, _, bufs = self._reduction_plan(fn, e, op, send, recv, in_place)
         return self._plan(
-            fn, op_name, lambda: init(smsg, rmsg, mop), bufs, _chain(pre, prepare), then_write_back(finish, backs)
+            fn, op_name, lambda: init(smsg, rmsg, mop), bufs, chain(pre, prepare), then_write_back(finish, backs)
         )
 
     def _one_sent(self) -> None:

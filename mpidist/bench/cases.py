@@ -24,6 +24,8 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..reduce_op import divide_average as divide  # AVG as mpidist defines it: raw mpi4py sums, then this
+
 __all__ = [
     "CASES", "Case", "Context", "Run", "register", "OPS", "DTYPES", "RAW_MODES", "parse_dtype", "raw_datatype", "raw_op",
 ]  # fmt: skip
@@ -107,22 +109,6 @@ def raw_op(dtype: np.dtype, op: str) -> tuple[MPI.Op | None, str]:
     if not np.array_equal(b, want):
         return None, why
     return getattr(MPI, prim), ""
-
-
-def divide(a: Any, n: int, xp: Any) -> None:
-    """AVG's division of a summed array in place, as mpidist defines it (integers truncate toward zero)."""
-    kind = a.dtype.kind
-    if kind == "c":
-        xp.divide(a.real, n, out=a.real)
-        xp.divide(a.imag, n, out=a.imag)
-    elif kind == "u":
-        xp.floor_divide(a, n, out=a)
-    elif kind == "i":
-        negative_rest = (xp.remainder(a, n) != 0) & (a < 0)
-        xp.floor_divide(a, n, out=a)
-        a += negative_rest
-    else:
-        xp.divide(a, n, out=a, casting="unsafe")
 
 
 # -- what every case needs -------------------------------------------------------------------
