@@ -795,7 +795,7 @@ def test_may_overlap():
 
 def _c_and_python():
     """(name, C function, Python function) of the array layer's checks; skipped where the C module is not built."""
-    names = ("prepare_input", "prepare_output", "prepare_inout", "prepare_pair", "may_overlap")
+    names = ("prepare_input", "prepare_output", "prepare_inout", "prepare_pair", "may_overlap", "byte_spans")
     if _arrays.prepare_input is _arrays.IN_PYTHON[0]:
         pytest.skip("mpidist.arrays._ready was not built")
     return [(n, getattr(_arrays, n), py) for n, py in zip(names, _arrays.IN_PYTHON)]
@@ -839,6 +839,20 @@ def test_the_checks_in_c_answer_as_the_python_functions():
     checks = _c_and_python()
     cases = _array_cases()
     for name, c, py in checks:
+        if name == "byte_spans":
+            base = np.arange(24.0)
+            lists = [
+                [], [np.ones(3)], [np.ones(3), np.zeros(0), np.arange(4, dtype=np.int8)],  # separate, one empty
+                [base[:12], base[12:]], [base[12:], base[:13]], [base[:6], base[6:12], base[3:4]],  # views: apart, not
+                [np.zeros(0), np.zeros(0)], [base, base], (base[:2], base[4:8]),  # only empty; twice the same; tuple
+                [base[::2]], [base.reshape(4, 6).T],  # not C-contiguous: Python's answer
+            ]  # fmt: skip
+            for arrays in lists:
+                assert c(arrays) == py(arrays), [a.shape for a in arrays]
+            counts, addrs, lo, hi, apart = c([base[4:8], base[:2]])
+            start = base.__array_interface__["data"][0]
+            assert (counts, addrs, lo, hi, apart) == ([32, 16], [start + 32, start], start, start + 64, True)
+            continue
         if name == "may_overlap":
             base = np.arange(24.0)
             pairs = [

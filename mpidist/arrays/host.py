@@ -49,6 +49,7 @@ __all__ = [
     "copy_in",
     "then_write_back",
     "may_overlap",
+    "byte_spans",
     "may_overlap_any",
     "own_separate_memory",
     "as_array",
@@ -527,6 +528,36 @@ def own_separate_memory(arrays: Sequence[Any]) -> bool:
     return len(set(map(id, arrays))) == len(arrays)
 
 
+def byte_spans(arrays: Sequence[Buffer]) -> tuple[list[int], list[int], int, int, bool]:
+    """The layout of C-contiguous arrays (numpy, or device arrays for CUDA-aware MPI) for one vector message.
+
+    Returns each array's byte count and address (0 for an empty one), the lowest
+    address and the end of the highest byte any of them spans (-1, -1 if all are
+    empty), and whether they are certainly disjoint (no two share a byte; see
+    :func:`refuse_overlapping_outputs` for the error). One pass over the list, in C
+    where ``_ready.c`` is built: the list collectives run it on every call.
+    """
+    counts: list[int] = []
+    addrs: list[int] = []
+    lo = hi = -1
+    for a in arrays:
+        n = a.nbytes
+        counts.append(n)
+        if n:
+            addr = a.ptr if type(a) is DeviceArray else a.__array_interface__["data"][0]
+            addrs.append(addr)
+            if lo < 0 or addr < lo:
+                lo = addr
+            if addr + n > hi:
+                hi = addr + n
+        else:
+            addrs.append(0)
+    disjoint = own_separate_memory(arrays) or (
+        overlapping_pair([(0, addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts))]) is None
+    )
+    return counts, addrs, lo, hi, disjoint
+
+
 def may_overlap(a: ndarray, b: ndarray) -> bool:
     """Return True unless ``a`` and ``b`` certainly use separate memory.
 
@@ -547,21 +578,24 @@ def may_overlap(a: ndarray, b: ndarray) -> bool:
 
 
 def _checks_in_c() -> tuple[Callable[..., Any], ...] | None:
-    """The four ``prepare_*`` functions and :func:`may_overlap` in C (``_ready.c``), where it was built.
+    """The four ``prepare_*`` functions, :func:`may_overlap` and :func:`byte_spans` in C (``_ready.c``), where built.
 
-    They answer a ready array, or two numpy arrays, without a Python frame (about
-    0.1 us less per array) and hand anything else to the Python functions above.
+    They answer ready arrays without a Python frame (about 0.1 us less per array)
+    and hand anything else to the Python functions above.
     """
     try:
         from . import _ready
     except ImportError:  # not built (no C compiler at install): the Python functions do it all
         return None
     _ready.bind(ndarray, DTYPES, *IN_PYTHON)
-    return _ready.prepare_input, _ready.prepare_output, _ready.prepare_inout, _ready.prepare_pair, _ready.may_overlap
+    return (
+        _ready.prepare_input, _ready.prepare_output, _ready.prepare_inout, _ready.prepare_pair, _ready.may_overlap,
+        _ready.byte_spans,
+    )  # fmt: skip
 
 
 #: the Python functions; where the C module exists it hands them what it does not take (tests compare the two)
-IN_PYTHON = (prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap)
+IN_PYTHON = (prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)
 _in_c = _checks_in_c()
 if _in_c is not None:
-    prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap = _in_c
+    prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans = _in_c

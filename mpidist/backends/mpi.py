@@ -165,22 +165,8 @@ def _vector(
     offsets beyond 2^31 bytes: then the arrays go through one staging buffer.
     One pass over the list: this runs on every call of the list collectives.
     """
-    counts: list[int] = []
-    addrs: list[int] = []
-    lo = hi = -1
-    for a in arrays:
-        n = a.nbytes
-        counts.append(n)
-        if n:
-            addr = _address(a)
-            addrs.append(addr)
-            if lo < 0 or addr < lo:
-                lo = addr
-            if addr + n > hi:
-                hi = addr + n
-        else:
-            addrs.append(0)
-    if output and not _arrays.own_separate_memory(arrays):
+    counts, addrs, lo, hi, disjoint = _arrays.byte_spans(arrays)
+    if output and not disjoint:
         _arrays.refuse_overlapping_outputs(
             [(0, addr, addr + n, i) for i, (addr, n) in enumerate(zip(addrs, counts))], fn, arg
         )
