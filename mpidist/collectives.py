@@ -58,8 +58,10 @@ def root_rank(
     pg: ProcessGroup, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
 ) -> int:
     """Return the group rank named by a global rank or a group rank (exactly one of them)."""
-    if group_rank is None and type(global_rank) is int and pg._identity and 0 <= global_rank < pg._size:
-        return global_rank  # the world group: global ranks are group ranks
+    if group_rank is None and type(global_rank) is int:  # the common case: one lookup in the group's table
+        r = pg._group_of.get(global_rank)
+        if r is not None:
+            return r
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError(f"{fn}: pass either {names[0]} (global rank) or {names[1]} (group rank), not both")
@@ -147,9 +149,9 @@ def broadcast(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    if group_src is None and type(src) is int and pg._identity and 0 <= src < pg._size:
-        root = src  # root_rank's fast path, written out: broadcast is latency-critical
-    else:
+    # root_rank's first lookup, written out (broadcast and reduce are latency-critical): the group's table
+    root = pg._group_of.get(src) if group_src is None and type(src) is int else None
+    if root is None:
         root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
     if pg._rank == root:
         buf, target = prepare_input(tensor, fn, "tensor"), None
@@ -202,7 +204,9 @@ def reduce(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
+    root = pg._group_of.get(dst) if group_dst is None and type(dst) is int else None  # as in broadcast
+    if root is None:
+        root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
     if pg._rank == root:
         try:
             buf, target = prepare_inout(tensor, fn, "tensor")

@@ -6,7 +6,7 @@
  * call directly: it posts the nonblocking collective on a C-contiguous numpy
  * array and tests it up to `spins` times, with the GIL released, and returns
  *
- *   0                 the operation is complete;
+ *   None              the operation is complete (only when spins > 0);
  *   a request handle  (an int, as mpi4py's `Request.handle`) still pending;
  *   whatever `fallback.<method>(*args)` returns, for any argument it does not
  *                     take (not a numpy array, a count past INT_MAX, ...): the
@@ -145,7 +145,7 @@ static PyObject *fallback(Direct *self, const char *name, PyObject *const *args,
     return result;
 }
 
-/* after the MPI call was made with the GIL released: raise, or return 0 / the pending request */
+/* after the MPI call was made with the GIL released: raise, or return None (complete) / the pending request */
 static PyObject *finish(int rc, int done, H req) {
     if (rc != 0) {
         PyObject *code = PyLong_FromLong(rc);
@@ -155,7 +155,7 @@ static PyObject *finish(int rc, int done, H req) {
         }
         return NULL;
     }
-    if (done) return PyLong_FromLong(0);
+    if (done) Py_RETURN_NONE;
     return PyLong_FromSize_t((size_t)req); /* as mpi4py shows handles: the unsigned pointer-width value */
 }
 

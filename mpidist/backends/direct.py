@@ -2,8 +2,9 @@
 
 Each method posts one nonblocking collective on C-contiguous numpy arrays and
 returns what :meth:`MPIBackend._done <mpidist.backends.mpi.MPIBackend._done>`
-finishes: ``0`` when the operation is already complete, else the pending request
-(an int handle from C, an ``MPI.Request`` from mpi4py).
+finishes: None when the operation is already complete (the C calls tested it:
+blocking calls only), else the pending request (an int handle from C, an
+``MPI.Request`` from mpi4py).
 
 * ``_direct.Direct`` (``backends/_direct.c``, built with the package) calls the
   MPI library that mpi4py loaded, and tests the request up to ``spins`` times
@@ -22,8 +23,8 @@ Example (``mpiexec -n 1``, after ``init_process_group``)::
 
     >>> calls = make_calls(MPI.COMM_SELF)
     >>> a = np.ones(3)
-    >>> calls.allreduce(a, MPI.DOUBLE, MPI.SUM, 16)   # complete: one rank
-    0
+    >>> calls.allreduce(a, MPI.DOUBLE, MPI.SUM, 16) is None   # complete: one rank
+    True
 """
 
 from __future__ import annotations
@@ -165,6 +166,6 @@ def _self_check(module: Any) -> str:
         pending = pending or calls.allgather(out, a, MPI.INT64_T, many)
     except MPI.Exception as exc:
         return f"a check on COMM_SELF failed: {exc}"
-    if pending != 0 or a.tolist() != [3, -2, 7] or out.tolist() != [3, -2, 7]:
+    if pending is not None or a.tolist() != [3, -2, 7] or out.tolist() != [3, -2, 7]:
         return "a check on COMM_SELF gave another result than mpi4py"
     return ""

@@ -388,18 +388,20 @@ class MPIBackend(MPIPersistent, BaseBackend):
     ) -> Work | None:
         """Return a Work for ``req``, or wait for it (within the timeout) and finish: every call ends here.
 
-        ``req`` is an ``MPI.Request`` or what the hot calls returned (``backends/direct.py``): 0 when
-        the C calls saw the operation complete, else the pending request's handle.
+        ``req`` is an ``MPI.Request`` or what the hot calls returned (``backends/direct.py``): None
+        when the C calls saw the operation complete, else the pending request's handle. (The hot
+        methods return None themselves for a complete call with nothing to ``post``: that skips
+        this frame, about 60 ns of a 1.5 us call.)
         A blocking call tests once (a small operation is usually complete by then:
         MPICH progresses it inside the nonblocking call) and only then enters the
         polling wait; ``keep`` holds the buffers until MPI is done with them.
         """
-        if type(req) is int:  # from the C calls: 0 if it completed there, else the pending request's handle
-            if not req and not async_op:
-                if post is not None:
-                    post()
-                return None
-            req = _REQUEST.fromhandle(req) if req else MPI.REQUEST_NULL
+        if req is None:  # complete in the C calls (a blocking call)
+            if post is not None:
+                post()
+            return None
+        if type(req) is int:  # the C calls' pending request
+            req = _REQUEST.fromhandle(req)
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:  # one test first: a small operation is often complete; else poll until the timeout
@@ -570,7 +572,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._calls.allreduce(buf, e.mpi, mop, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("all_reduce", exc) from exc
-        return self._done("all_reduce", req, None, buf, async_op)
+        return None if req is None else self._done("all_reduce", req, None, buf, async_op)
 
     def reduce(self, buf: ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
@@ -587,7 +589,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._calls.reduce(buf, e.mpi, mop, root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce", exc) from exc
-        return self._done("reduce", req, None, buf, async_op)
+        return None if req is None else self._done("reduce", req, None, buf, async_op)
 
     def reduce_scatter_tensor(self, out: ndarray, backs: Any, inp: ndarray, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
@@ -608,7 +610,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 req = self._calls.reduce_scatter(out, inp, e.mpi, mop, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
-        return self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
+        return None if req is None else self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
 
     def reduce_scatter(self, out: ndarray, backs: Any, ins: Sequence[ndarray], op: Any, async_op: bool) -> Work | None:
         self.seq += 1
@@ -640,6 +642,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
+        if req is None and not backs:  # complete, nothing to write back
+            return None
         post = None if not backs else then_write_back(None, backs)
         return self._done("broadcast", req, post, buf, async_op)
 
@@ -657,6 +661,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
             req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.spins)
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
+        if req is None and not backs:  # complete, nothing to write back
+            return None
         post = None if not backs else then_write_back(None, backs)
         return self._done("all_gather_into_tensor", req, post, (out, send), async_op)
 
@@ -744,6 +750,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
                 )
         except MPI.Exception as exc:
             raise self._fail("all_to_all_single", exc) from exc
+        if req is None and not backs:  # complete, nothing to write back
+            return None
         post = None if not backs else then_write_back(None, backs)
         return self._done("all_to_all_single", req, post, (inp, out), async_op)
 
