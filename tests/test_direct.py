@@ -206,6 +206,10 @@ def test_what_the_c_calls_do_not_take_goes_to_mpi4py_unchanged():
     big = np.empty(1 << 31, np.int8)  # 2 GiB of address space, never touched
     assert calls.allreduce(big, MPI.INT8_T, MPI.SUM, 1) == "handed over"
     assert spy.seen[-1][1][0] is big
+    del big
+    wide = np.empty((1 << 16, 1 << 15), np.int8)  # the same count in two dimensions
+    assert calls.allreduce(wide, MPI.INT8_T, MPI.SUM, 1) == "handed over"
+    assert spy.seen[-1][1][0] is wide
 
 
 def test_a_direct_object_needs_a_rank_of_its_group():

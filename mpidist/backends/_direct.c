@@ -117,8 +117,13 @@ static int array_of(PyObject *o, int writeable, void **data, int *count) {
     if (!(a->flags & NPY_ARRAY_C_CONTIGUOUS) || (writeable && !(a->flags & NPY_ARRAY_WRITEABLE))) return 0;
     npy_intp n = 1;
     for (int i = 0; i < a->nd; i++) {
-        n *= a->dimensions[i];
-        if (n > INT_MAX) return 0;
+        npy_intp d = a->dimensions[i];
+        if (d == 0) {
+            n = 0;
+            break;
+        }
+        if (d > INT_MAX / n) return 0; /* past an int count (MPI-4's large-count calls: through mpi4py) */
+        n *= d;
     }
     *data = a->data;
     *count = (int)n;
