@@ -20,7 +20,7 @@ import runpy
 import sys
 
 from .launch.abort import install_excepthook
-from .launch.boot import launched_by_mpi
+from .launch.boot import launch_mode
 from .launch.environment import fill_environment
 
 USAGE = "usage: python -m mpidist script.py [args...] | python -m mpidist -m module [args...]"
@@ -31,8 +31,10 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         print(USAGE)
         return 0 if argv else 2
-    if launched_by_mpi():
+    if launch_mode() == "launcher":
         fill_environment()  # collective: every rank runs this module
+    # in an srun step that MPI alone cannot connect, import mpidist has set everything from Slurm's variables,
+    # and init_process_group forms the world
     install_excepthook()
     if argv[0] == "-m":
         if len(argv) < 2:

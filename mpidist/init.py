@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -21,7 +20,8 @@ from .backends.registry import Backend, nccl_available, nccl_importable, parse_b
 from .diagnose.debug import set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
-from .launch.boot import launched_by_mpi, mpi_initialized, start_mpi
+from .launch.boot import launch_mode, launcher_label, mpi_initialized, start_mpi, world_of_one_hint
+from .launch.environment import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
 from .work import poll
@@ -78,7 +78,7 @@ def _claims(init_method: str | None, rank: int, world_size: int, fn: str) -> lis
                     claims.append((f"init_method's {what}=", what, int(query[what][0])))
                 except ValueError:
                     raise ValueError(f"{fn}: init_method's {what}= must be an int, got {query[what][0]!r}") from None
-    if scheme == "env":
+    if scheme == "env" or launch_mode() == "slurm":
         for var, what in (("RANK", "rank"), ("WORLD_SIZE", "world_size")):
             text = os.environ.get(var)
             if text is not None and text.strip():
@@ -100,11 +100,7 @@ def _disagreements(claims: list[tuple[str, str, int]], mpi_rank: int, mpi_size: 
         return ""
     msg = "; ".join(bad)
     if mpi_size == 1 and any(what == "world_size" and value > 1 for _, what, value in claims):
-        msg += (
-            ". MPI's world has 1 process: start all processes with `mpiexec -n N python script.py` (or mpirun, "
-            "srun); without a launcher, mpidist connects them itself only if MPI is not yet initialized "
-            "(import mpidist before mpi4py.MPI)"
-        )
+        msg += ". MPI's world has 1 process: " + world_of_one_hint()
     return msg
 
 
@@ -174,7 +170,7 @@ def init_process_group(
         set_debug_level_from_env()
 
         met = None  # the store through which processes without a launcher met
-        if plan.world_size > 1 and not mpi_initialized() and not launched_by_mpi():
+        if plan.world_size > 1 and not mpi_initialized() and launch_mode() != "launcher":
             met, pmi_env = launch_free_world(plan, store, td, fn)
             start_mpi(pmi_env)
         else:
@@ -192,7 +188,10 @@ def init_process_group(
             )
         try:
             mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
-            _agree(control, _disagreements(claims, mpi_rank, mpi_size), fn)
+            problem = _disagreements(claims, mpi_rank, mpi_size)
+            if problem and mpi_size == 1:  # a world of one: each process raises alone, named by its launcher
+                raise ValueError(f"{fn}: {launcher_label()}{problem}")
+            _agree(control, problem, fn)
             node = control.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_rank)
             data = MPI.COMM_WORLD.Dup()
         except BaseException:
@@ -211,7 +210,7 @@ def init_process_group(
         )
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
-            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
+            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td, fn)
             world.init_info.own_store = store is None
             pg = make_group(
                 data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg",
@@ -234,19 +233,27 @@ def _check_store(store: Any, fn: str) -> None:
         )
 
 
-def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any:
+def _open_default_store(comm: Any, single_node: bool, timeout: timedelta, fn: str) -> Any:
     """Rank 0 opens a TCPStore on a free port and tells the others (collective over ``comm``).
 
-    If rank 0 cannot open one, no rank has a default store and
-    ``get_default_store()`` says why; the process group works regardless.
+    It listens on loopback when every rank shares its node, else on the address
+    :func:`~mpidist.launch.environment.root_address` picks (``MASTER_ADDR``, or the
+    interface towards the other hosts; never a loopback one). If rank 0 cannot open
+    one, no rank has a default store and ``get_default_store()`` says why; the
+    process group works regardless.
     """
     from .store import TCPStore
 
+    host = root_address(comm, single_node)
     found: tuple[str, Any] = ("", None)
     made = None
     if comm.Get_rank() == 0:
         try:
-            host = "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname())
+            if host is None:
+                raise RuntimeError(
+                    "the ranks span several hosts, but rank 0's host has no address other than loopback that they "
+                    "reach; set MASTER_ADDR to an address of rank 0's host"
+                )
             made = TCPStore(host, 0, comm.Get_size(), True, timeout, wait_for_workers=False)
             found = ("", (host, made.port))
         except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank

@@ -75,6 +75,13 @@ def test_torchrun_environment_derived_from_mpi():
     fail_together(problems)
 
 
+#: a task of a 16-task srun step over 4 nodes, 4 tasks each, on the second node (what srun sets)
+STEP = {
+    "SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS": "32", "SLURM_STEP_ID": "2", "SLURM_JOB_ID": "42",
+    "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[01-04]", "SLURM_STEP_TASKS_PER_NODE": "4(x4)",
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "environ,expected",
     [
@@ -83,8 +90,25 @@ def test_torchrun_environment_derived_from_mpi():
         ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
           "OMPI_COMM_WORLD_LOCAL_SIZE": "3"},
          {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3"},
-         {"RANK": "7", "WORLD_SIZE": "16", "LOCAL_RANK": "3"}),
+        # an srun step (--mpi=none or pmix): everything from Slurm's step variables, the port from the ids
+        ({**STEP, "SLURM_PROCID": "7", "SLURM_LOCALID": "3"},
+         {"RANK": "7", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+          "NODE_RANK": "1", "GROUP_WORLD_SIZE": "4", "MASTER_ADDR": "n01", "MASTER_PORT": str(20000 + 42 * 16 + 2)}),
+        # srun --mpi=pmi2: PMI's rank and size agree with Slurm's, which gives the local fields PMI lacks
+        ({**STEP, "SLURM_PROCID": "7", "SLURM_LOCALID": "3", "PMI_RANK": "7", "PMI_SIZE": "16"},
+         {"RANK": "7", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+          "NODE_RANK": "1", "GROUP_WORLD_SIZE": "4", "MASTER_ADDR": "n01", "MASTER_PORT": str(20000 + 42 * 16 + 2)}),
+        # hydra's ranks inside a Slurm step of its proxies: Slurm's variables describe the proxies, not the ranks
+        ({**STEP, "SLURM_PROCID": "1", "PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+         {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}),
+        # a 1-task step in a 2-task allocation: the step's count, not the allocation's SLURM_NTASKS(_PER_NODE)
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2",
+          "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+          "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "9", "SLURM_STEP_NODELIST": "vm"},
+         {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+          "NODE_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "vm", "MASTER_PORT": str(20000 + 9 * 16)}),
+        # a batch script or an salloc shell is no task of a step: the allocation's variables say nothing
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "9"}, {}),
         ({"PMI_RANK": "1"}, {}),  # no size: nothing
         ({}, {}),
     ],

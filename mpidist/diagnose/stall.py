@@ -61,7 +61,26 @@ def serve() -> None:
     while comm.Iprobe(MPI.ANY_SOURCE, _REQUEST_TAG, status):
         token = comm.recv(source=status.Get_source(), tag=_REQUEST_TAG)
         if world.activity is not None:  # not waiting in mpidist: stay silent, like a busy rank
-            comm.send((token, world.activity), dest=status.Get_source(), tag=_REPLY_TAG)
+            _post(comm.isend((token, world.activity), dest=status.Get_source(), tag=_REPLY_TAG))
+
+
+def _post(request: Any) -> None:
+    """Let a small message go out on its own: never wait for it (its peer may be dead or unreachable).
+
+    A blocking send to a peer that died or whose host vanished can hang or crash
+    inside MPI; the request is kept (a few bytes each) and dropped once MPI
+    completes it.
+    """
+    world.unsent = [r for r in world.unsent if not _done(r)]
+    if not _done(request):
+        world.unsent.append(request)
+
+
+def _done(request: Any) -> bool:
+    try:
+        return bool(request.Test())
+    except Exception:  # noqa: BLE001 - MPI gave up on it (the peer is gone): nothing more to wait for
+        return True
 
 
 def survey(global_ranks: list[int], wait_s: float) -> dict[int, Any]:
@@ -76,7 +95,7 @@ def survey(global_ranks: list[int], wait_s: float) -> dict[int, Any]:
     world.survey_count += 1
     token = (me, world.survey_count)
     for r in others:
-        comm.send(token, dest=r, tag=_REQUEST_TAG)  # tiny: sent eagerly, never blocks
+        _post(comm.isend(token, dest=r, tag=_REQUEST_TAG))
     answers: dict[int, Any] = {r: None for r in others}
     pending = set(others)
     status = MPI.Status()

@@ -154,7 +154,13 @@ def _abort(comm: Any, errorcode: int) -> None:
         except (OSError, ValueError, AttributeError):  # closed or replaced streams
             pass
     time.sleep(_OUTPUT_GRACE_S)
-    comm.Abort(errorcode)
+    try:
+        comm.Abort(errorcode)
+    finally:
+        # MPI_Abort must not return, but in a world mpidist formed without a launcher MPICH's can (its PMI
+        # client reports the abort and carries on); the process then went on into MPI_Finalize, which
+        # waited on the PMI socket for ranks that had failed. End it here with the abort's code.
+        os._exit(errorcode)
 
 
 def _pending(backend: Any) -> bool:

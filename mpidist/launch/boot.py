@@ -14,30 +14,98 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["launched_by_mpi", "defer_mpi_init", "start_mpi", "fill_launcher_environment"]
+from .slurm import slurm_step
 
-# set by the process managers of MPICH (hydra), Open MPI (prte), Slurm with PMI/PMIx, Intel MPI
-_LAUNCHER_VARS = (
-    "PMI_RANK",
-    "PMI_FD",
-    "PMI_PORT",
-    "PMI_ID",
-    "PMI_SIZE",
-    "PMIX_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "HYDI_CONTROL_FD",
-    "MPI_LOCALNRANKS",
-)
+__all__ = [
+    "launched_by_mpi",
+    "launch_mode",
+    "mpi_library",
+    "defer_mpi_init",
+    "start_mpi",
+    "fill_launcher_environment",
+    "launcher_label",
+    "world_of_one_hint",
+]
+
+#: variables of a process manager that speaks PMI-1/PMI-2 (hydra, Intel MPI, ``srun --mpi=pmi2``)
+_PMI_VARS = ("PMI_RANK", "PMI_FD", "PMI_PORT", "PMI_ID", "PMI_SIZE", "HYDI_CONTROL_FD", "MPI_LOCALNRANKS")
+#: variables of a PMIx server (prterun, ``srun --mpi=pmix``)
+_PMIX_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
+#: variables of Open MPI's own launcher
+_OMPI_VARS = ("OMPI_COMM_WORLD_SIZE",)
 
 
 def launched_by_mpi() -> bool:
-    """True if an MPI launcher (mpiexec, mpirun, srun with PMI) started this process."""
-    return any(v in os.environ for v in _LAUNCHER_VARS)
+    """True if a process manager that MPI libraries talk to (PMI, PMIx) started this process.
+
+    Whether this process's MPI library speaks that manager's protocol is
+    :func:`launch_mode`'s question.
+    """
+    return any(v in os.environ for v in _PMI_VARS + _PMIX_VARS + _OMPI_VARS)
+
+
+def launch_mode() -> str:
+    """How this process's MPI world is formed: ``"launcher"``, ``"slurm"`` or ``"none"``.
+
+    * ``"launcher"``: a process manager started it and the MPI library speaks its
+      protocol: ``MPI_Init`` forms the world.
+    * ``"slurm"``: a task of an ``srun`` step of more than one task, and the MPI
+      library cannot use what srun offers (``--mpi=none``; PMIx for an MPICH built
+      without it; PMI-2 for Open MPI): ``MPI_Init`` alone would make a world of one
+      process, so mpidist forms the world itself from Slurm's variables
+      (``rendezvous.slurm_plan``), or says what to change where it cannot.
+    * ``"none"``: no launcher (plain ``python``, torchrun): a world of one, unless
+      ``init_process_group`` is told a rank and a world size to meet through a store.
+
+    Reads the MPI library's name only inside an srun step (importing ``mpi4py.MPI``
+    then, which does not start MPI while :func:`defer_mpi_init` holds it back).
+    """
+    step = slurm_step()
+    if step is not None and step.size > 1:
+        return "launcher" if launched_by_mpi() and _speaks_launcher() else "slurm"
+    return "launcher" if launched_by_mpi() else "none"
+
+
+def mpi_library() -> str:
+    """``"mpich"``, ``"mpich+pmix"`` (built with PMIx), ``"intel"``, ``"openmpi"`` or ``"other"``.
+
+    Needs ``mpi4py.MPI`` imported (not MPI initialized).
+    """
+    from mpi4py import MPI
+
+    text = MPI.Get_library_version()
+    if "Open MPI" in text:
+        return "openmpi"
+    if "Intel(R) MPI" in text:
+        return "intel"
+    if "MPICH" in text:
+        configure = next((line for line in text.splitlines() if "configure" in line.lower()), "")
+        return "mpich+pmix" if "pmix" in configure.lower() else "mpich"
+    return "other"
+
+
+def _speaks_launcher() -> bool:
+    """Whether this MPI library can use the process manager that started this process."""
+    library = mpi_library()
+    if any(v in os.environ for v in _OMPI_VARS):
+        return library == "openmpi"
+    if any(v in os.environ for v in _PMIX_VARS):
+        return library in ("openmpi", "mpich+pmix", "other")
+    return library != "openmpi"  # PMI-1/PMI-2: MPICH and its derivatives; Open MPI 5 speaks only PMIx
 
 
 def defer_mpi_init() -> None:
-    """Without a launcher, keep mpi4py from initializing MPI until ``start_mpi``."""
-    if "mpi4py.MPI" in sys.modules or launched_by_mpi():
+    """Keep mpi4py from initializing MPI until ``start_mpi`` where MPI alone would not form the world.
+
+    That is without a launcher, and in an srun step (until :func:`launch_mode` has
+    read the MPI library's name; where the library speaks srun's protocol, MPI then
+    starts at once, as mpi4py would have started it).
+    """
+    if "mpi4py.MPI" in sys.modules:
+        return
+    step = slurm_step()
+    in_step = step is not None and step.size > 1
+    if launched_by_mpi() and not in_step:
         return
     from .._validate import env_flag  # stdlib only: safe before mpi4py.MPI
 
@@ -48,6 +116,8 @@ def defer_mpi_init() -> None:
     if mpi4py.rc.initialize is True and mpi4py.rc.finalize is None:  # the user has not chosen
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = True
+        if in_step and launch_mode() == "launcher":
+            start_mpi()
 
 
 def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
@@ -63,6 +133,46 @@ def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
     return MPI
 
 
+def launcher_label() -> str:
+    """``"task 2 of 4 (srun): "`` where a launcher numbered this process (for messages of worlds of one)."""
+    step = slurm_step()
+    if step is not None:
+        return f"task {step.rank} of {step.size} (srun): "
+    for rank_var, size_var, who in (
+        ("PMI_RANK", "PMI_SIZE", "PMI"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
+    ):
+        rank, size = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
+        if rank.isdigit() and size.isdigit():
+            return f"rank {rank} of {size} ({who}): "
+    return ""
+
+
+def world_of_one_hint() -> str:
+    """What to change when MPI formed a world of one process although more were started."""
+    library = mpi_library()
+    step = slurm_step()
+    if step is not None and step.size > 1:
+        if library == "openmpi":
+            return (
+                f"srun started {step.size} tasks, and Open MPI forms their world only through PMIx: start the step "
+                "with `srun --mpi=pmix` (`srun --mpi=list` shows what this Slurm offers)"
+            )
+        return (
+            f"srun started {step.size} tasks; import mpidist before mpi4py.MPI (mpidist then forms the world under "
+            "any --mpi), or start the step with `srun --mpi=pmi2`"
+        )
+    if any(v in os.environ for v in _PMI_VARS) and library == "openmpi":
+        return (
+            "a PMI launcher (MPICH's mpiexec/hydra, srun --mpi=pmi2) started the processes, but mpi4py uses "
+            "Open MPI, which speaks only PMIx: use Open MPI's mpirun (or srun --mpi=pmix), or the MPICH wheel"
+        )
+    return (
+        "start all processes with `mpiexec -n N python script.py` (or mpirun, srun); without a launcher, "
+        "mpidist connects them itself only if MPI is not yet initialized (import mpidist before mpi4py.MPI)"
+    )
+
+
 def mpi_initialized() -> bool:
     """True if MPI is initialized (without initializing it)."""
     mpi = sys.modules.get("mpi4py.MPI")
@@ -70,15 +180,17 @@ def mpi_initialized() -> bool:
 
 
 def fill_launcher_environment() -> None:
-    """Under an MPI launcher, set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE where unset.
+    """Under an MPI launcher or srun, set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE where unset.
 
     From the launcher's own variables only (no MPI call, no communication), so
     that programs written for torchrun can read them right after ``import
-    mpidist``. ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` are left to
-    ``python -m mpidist``/``mpidistrun`` (they need the processes to talk, and
-    with ``GROUP_RANK`` set Lightning would take the job for a torchrun job).
+    mpidist``. In an srun step, Slurm's variables also give ``GROUP_RANK``,
+    ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Under other launchers those
+    are left to ``python -m mpidist``/``mpidistrun`` (they need the processes to
+    talk, and with ``GROUP_RANK`` but no ``MASTER_ADDR`` Lightning would take the
+    job for a torchrun job and fail).
     """
-    if not launched_by_mpi():
+    if not launched_by_mpi() and slurm_step() is None:
         return
     from .environment import fill_environment, launcher_environment
 

@@ -23,6 +23,9 @@ import random
 import socket
 from typing import Any, Mapping
 
+from .addresses import meeting_address, own_addresses
+from .slurm import slurm_step
+
 __all__ = [
     "TORCHRUN_VARIABLES",
     "LAUNCHER_FIELDS",
@@ -30,6 +33,7 @@ __all__ = [
     "torchrun_environment",
     "fill_environment",
     "free_port",
+    "root_address",
 ]
 
 #: what torchrun sets for every worker, and what this module provides
@@ -49,35 +53,50 @@ TORCHRUN_VARIABLES = (
 )
 
 
-#: torchrun's per-process variables as MPI launchers spell them: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
+#: torchrun's per-process variables as MPI launchers spell them: (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE);
+#: srun's are read by :mod:`.slurm` (its allocation-wide variables would mislead)
 LAUNCHER_FIELDS = (
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH's hydra, Intel MPI
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH's hydra, Intel MPI, srun --mpi=pmi2
     (  # Open MPI
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),  # fmt: skip
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # srun
 )
 
 
 def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from the launcher's own variables.
+    """torchrun's variables that the launcher's own variables give (no MPI call, no communication).
 
-    No MPI call and no communication (``import mpidist`` runs this under a
-    launcher). The first launcher of :data:`LAUNCHER_FIELDS` whose rank and size
-    are both set wins; local values are included when it gives them. The rest of
-    torchrun's variables (node rank, ``MASTER_ADDR``/``MASTER_PORT``) need the
-    processes to talk: :func:`torchrun_environment`.
+    ``import mpidist`` runs this under a launcher. The first launcher of
+    :data:`LAUNCHER_FIELDS` whose rank and size are both set gives ``RANK``,
+    ``WORLD_SIZE`` and, where it has them, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``. In
+    an ``srun`` step whose rank and size agree (or that is the only launcher: PMIx,
+    ``--mpi=none``), Slurm's variables give the rest: the local ones from
+    ``SLURM_LOCALID`` and the step's tasks per node, ``GROUP_RANK``/``NODE_RANK``
+    from ``SLURM_NODEID``, ``MASTER_ADDR`` (the step's first node) and
+    ``MASTER_PORT`` (derived from the job and step ids). Under another launcher
+    started inside a step (hydra's proxies under Slurm), Slurm's describe the
+    proxies, so they are ignored. Elsewhere, node ranks and the master's address
+    need the processes to talk: :func:`torchrun_environment`.
     """
     environ = os.environ if environ is None else environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    found: dict[str, str] = {}
     for fields in LAUNCHER_FIELDS:
         values = [environ.get(f, "").strip() for f in fields]
         if values[0].isdigit() and values[1].isdigit():
-            return {n: v for n, v in zip(names, values) if v.isdigit()}
-    return {}
+            found = {n: v for n, v in zip(names, values) if v.isdigit()}
+            break
+    step = slurm_step(environ)
+    if step is None:
+        return found
+    slurm = step.torchrun_fields()
+    slurm.update(MASTER_ADDR=step.master_host, MASTER_PORT=str(step.port))
+    if found and (found["RANK"], found["WORLD_SIZE"]) != (slurm["RANK"], slurm["WORLD_SIZE"]):
+        return found
+    return {**slurm, **found}
 
 
 def free_port() -> int:
@@ -129,13 +148,13 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
 
     ``comm`` defaults to a private duplicate of ``MPI.COMM_WORLD`` (MPI is
     initialized if it is not yet). Every process of the communicator must call it.
-    ``MASTER_ADDR`` is ``127.0.0.1`` on one node, else rank 0's address;
+    ``MASTER_ADDR`` is ``127.0.0.1`` on one node, else rank 0's address (:func:`root_address`);
     ``MASTER_PORT`` is rank 0's ``MASTER_PORT`` if it has one, else a free port
     there. Nodes are numbered by their lowest rank.
     """
-    from .boot import start_mpi
+    from .rendezvous import start_world
 
-    mpi = start_mpi()
+    mpi = start_world("torchrun_environment")
     own = comm is None
     if own:
         comm = mpi.COMM_WORLD.Dup()
@@ -150,15 +169,20 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
         proposal = None
         if rank == 0:
             port = os.environ.get("MASTER_PORT", "").strip()
-            proposal = (socket.gethostname(), port if port.isdigit() else str(free_port()))
+            proposal = port if port.isdigit() else str(free_port())
         leaders = sorted(r for r in comm.allgather(rank if local_rank == 0 else None) if r is not None)
-        host0, port = comm.bcast(proposal, root=0)
+        port = comm.bcast(proposal, root=0)
+        address = root_address(comm, single_node=len(leaders) == 1)
     finally:
         if own:
             comm.Free()
+    if address is None:
+        raise RuntimeError(
+            "torchrun_environment: the ranks span several hosts, but rank 0's host has no address other than "
+            "loopback that they reach; set MASTER_ADDR to an address of rank 0's host that the others reach"
+        )
     nodes = len(leaders)
     node_rank = leaders.index(leader)  # nodes numbered by their lowest rank
-    address = "127.0.0.1" if nodes == 1 else _address_of(host0)
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(size),
@@ -175,11 +199,23 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
     }
 
 
-def _address_of(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
+def root_address(comm: Any, single_node: bool) -> str | None:
+    """The address rank 0 advertises to every rank (collective over ``comm``; the same on every rank).
+
+    ``127.0.0.1`` on one node; across hosts ``MASTER_ADDR`` if rank 0 resolves it to
+    an address that is not loopback, else the address of rank 0's interface
+    towards the ranks on other hosts (never ``gethostbyname(gethostname())``: that
+    is ``127.0.1.1`` on Debian). None on every rank when rank 0 has none.
+    """
+    if single_node:
+        return "127.0.0.1"
+    hostname = socket.gethostname()
+    gathered = comm.gather((hostname, own_addresses()), root=0)
+    address = None
+    if comm.Get_rank() == 0:
+        peers = [a for host, addresses in gathered for a in addresses if host != hostname]
+        address = meeting_address(os.environ.get("MASTER_ADDR", "").strip() or None, peers)
+    return comm.bcast(address, root=0)
 
 
 def fill_environment(values: Mapping[str, str] | None = None, environ: Any = None) -> dict[str, str]:

