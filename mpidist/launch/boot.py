@@ -127,6 +127,10 @@ def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
 
     if not MPI.Is_initialized():
         if pmi_env:
+            # the launcher's own variables would make MPICH talk to srun's PMIx or PMI-2 server
+            # ("unsupported PMI version PMIx", abort) instead of mpidist's
+            for name in [n for n in os.environ if n.startswith("PMIX_") or n in _PMI_VARS or n == "PMI_JOBID"]:
+                del os.environ[name]
             os.environ.update(pmi_env)
         level = {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED, "serialized": MPI.THREAD_SERIALIZED}
         MPI.Init_thread(level.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE))
