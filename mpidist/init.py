@@ -20,7 +20,7 @@ from .backends.registry import Backend, nccl_available, nccl_importable, parse_b
 from .diagnose.debug import set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
-from .launch.boot import launch_mode, launcher_label, mpi_initialized, start_mpi, world_of_one_hint
+from .launch.boot import launch_mode, launcher_label, mpi_initialized, require_startable, start_mpi, world_of_one_hint
 from .launch.environment import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
@@ -169,6 +169,7 @@ def init_process_group(
         plan = plan_from(init_method, store, claims, fn)
         set_debug_level_from_env()
 
+        require_startable(fn)
         met = None  # the store through which processes without a launcher met
         if plan.world_size > 1 and not mpi_initialized() and launch_mode() != "launcher":
             met, pmi_env = launch_free_world(plan, store, td, fn)

