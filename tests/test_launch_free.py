@@ -7,9 +7,12 @@ from their environment), so they run once, from a world of one rank.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,6 +176,75 @@ def test_pmi_barrier_is_released_when_a_process_leaves_without_finalizing():
     finally:
         server.close()
     assert not problems, problems
+
+
+@only_once
+def test_rank0_starts_mpi_only_once_every_other_rank_reached_the_pmi_server():
+    """Rank 0 enters MPI_Init (which holds the interpreter lock, so its store stops answering) only once every
+    other rank has introduced itself to the PMI server: wait_others_connected returns the ranks still missing,
+    and [] only after the last one arrived (a started-then-killed server process is used, as init uses it)."""
+    proc, address = pmi.start_server_process("127.0.0.1", 3, ["h", "h", "h"], timeout_s=30)
+    problems, clients = [], []
+    try:
+        one = _pmi_client(address)
+        one[1].write(b"cmd=initack pmiid=1\n")
+        clients.append(one)
+        started = time.monotonic()
+        missing = pmi.wait_others_connected(proc, 1.5)
+        if missing != [2] or time.monotonic() - started < 1.4:
+            problems.append(f"with rank 2 absent: missing={missing} after {time.monotonic() - started:.1f} s")
+        two = _pmi_client(address)
+        two[1].write(b"cmd=initack pmiid=2\n")
+        clients.append(two)
+        missing = pmi.wait_others_connected(proc, 10.0)
+        if missing:
+            problems.append(f"every other rank connected, yet missing={missing}")
+    finally:
+        for conn, stream in clients:
+            stream.close()
+            conn.close()
+        proc.kill()
+        proc.wait()
+    assert not problems, problems
+
+
+@only_once
+def test_pmi_server_leaves_when_rank0_is_gone():
+    """The server is bounded by its job: started by a process that then dies (rank 0), with a client that
+    never finalizes, it exits on its own (it used to wait for every client forever)."""
+    code = (
+        "import sys, time; sys.path[:0] = [%r]\n"
+        "from mpidist.launch import pmi\n"
+        "proc, address = pmi.start_server_process('127.0.0.1', 2, ['h', 'h'], timeout_s=30)\n"
+        "print(proc.pid, address, flush=True)\n"
+        "time.sleep(60)\n"
+    ) % str(Path(pmi.__file__).resolve().parents[2])
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server_pid, address = parent.stdout.readline().split()
+    clients = [_pmi_client(address) for _ in range(2)]
+    for rank, (_, stream) in enumerate(clients):
+        stream.write(f"cmd=initack pmiid={rank}\n".encode())
+    parent.kill()  # rank 0 dies; rank 1 stays connected and silent
+    parent.wait()
+    deadline = time.monotonic() + pmi._AFTER_RANK0_S + 15
+    alive = True
+    while alive and time.monotonic() < deadline:
+        alive = os.path.exists(f"/proc/{server_pid}") and "zombie" not in _state(server_pid)
+        time.sleep(0.5)
+    for conn, stream in clients:
+        stream.close()
+        conn.close()
+    if alive:
+        os.kill(int(server_pid), 9)
+    assert not alive, "the PMI server outlived rank 0 by more than its grace period"
+
+
+def _state(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except OSError:
+        return "zombie"
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Any
 
 __all__ = ["PMIServer", "process_mapping", "start_server_process"]
 
@@ -240,8 +241,8 @@ def start_server_process(host: str, size: int, hosts: list[str], timeout_s: floa
         stdout=subprocess.PIPE,
     )
     assert proc.stdout is not None
-    lines = _lines(proc, time.monotonic() + max(timeout_s, 30.0))
-    address = next(lines, "")
+    lines = _lines(proc, time.monotonic() + max(timeout_s, 30.0) + 3600.0)
+    address = _next_line(lines, time.monotonic() + max(timeout_s, 30.0)) or ""
     if not address:
         raise RuntimeError(f"the PMI server did not start (exit code {proc.poll()})")
     proc._mpidist_lines = lines  # type: ignore[attr-defined]  # the rest of its output, for wait_others_connected
@@ -259,9 +260,10 @@ def _lines(proc: subprocess.Popen, deadline: float):
             line, pending = pending.split(b"\n", 1)
             yield line.decode(errors="replace").strip()
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], min(left, 1.0))[0]:
-            if left <= 0:
-                return
+        if left <= 0:
+            return
+        if not select.select([fd], [], [], min(left, 0.2))[0]:
+            yield ""  # nothing yet: the caller may stop waiting
             continue
         chunk = os.read(fd, 4096)
         if not chunk:  # the server exited
@@ -277,16 +279,26 @@ def wait_others_connected(proc: subprocess.Popen, timeout_s: float) -> list[int]
     interpreter lock, so the store could not answer them).
     """
     size = int(proc.args[3])  # type: ignore[index]  # [python, pmi.py, host, size, ...]
-    missing = set(range(1, size))
-    lines = getattr(proc, "_mpidist_lines", None) or _lines(proc, time.monotonic() + timeout_s)
+    seen: set[int] = proc.__dict__.setdefault("_mpidist_seen", set())
+    lines = proc.__dict__.setdefault("_mpidist_lines", _lines(proc, time.monotonic() + timeout_s))
     deadline = time.monotonic() + timeout_s
-    for line in lines:
+    while not seen >= set(range(1, size)):
+        line = _next_line(lines, deadline)
+        if line is None:
+            break
         word, _, rank = line.partition(" ")
         if word == "connected" and rank.isdigit():
-            missing.discard(int(rank))
-        if not missing or time.monotonic() > deadline:
-            break
-    return sorted(missing)
+            seen.add(int(rank))
+    return sorted(set(range(1, size)) - seen)
+
+
+def _next_line(lines: Any, deadline: float) -> str | None:
+    """The server's next line, or None at ``deadline`` or once it has no more."""
+    while time.monotonic() < deadline:
+        line = next(lines, None)
+        if line != "":  # "" only while no line has come yet
+            return line
+    return None
 
 
 def _main(argv: list[str]) -> int:
@@ -320,7 +332,7 @@ def _main(argv: list[str]) -> int:
 
 
 #: how long the server stays once rank 0 has exited, for the other processes to finish
-_AFTER_RANK0_S = 20.0
+_AFTER_RANK0_S = 10.0
 
 
 if __name__ == "__main__":
