@@ -292,11 +292,19 @@ def test_master_port_that_is_not_a_number(monkeypatch):
 
 @only_once
 @pytest.mark.parametrize(
-    "launcher", [{}, {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}], ids=["none", "hydra"]
-)
+    "launcher",
+    [
+        {},
+        {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"},
+        {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "5"},
+    ],
+    ids=["none", "hydra", "srun-mpi-none"],
+)  # fmt: skip
 def test_import_mpidist_leaves_mpi_uninitialized_and_imports_no_torch(launcher):
     """import mpidist starts nothing: no mpi4py.MPI (so a launcher-free world can still form), no torch or
-    cupy; under a launcher it only copies the launcher's rank variables into torchrun's names."""
+    cupy; under a launcher it only copies the launcher's rank variables into torchrun's names. (Under a PMIx
+    launcher or srun with a PMI plugin it reads the MPI library's name first: tests/cluster/.)"""
     code = (
         "import os, sys, json, mpidist\n"
         "print(json.dumps([sorted(m for m in ('mpi4py.MPI', 'torch', 'cupy') if m in sys.modules),"

@@ -54,15 +54,17 @@ def launch_mode() -> str:
       library cannot use what srun offers (``--mpi=none``; PMIx for an MPICH built
       without it; PMI-2 for Open MPI): ``MPI_Init`` alone would make a world of one
       process, so mpidist forms the world itself from Slurm's variables
-      (``rendezvous.slurm_plan``), or says what to change where it cannot.
+      (``env://`` with what import set; ``rendezvous.start_world``), or says what
+      to change where it cannot (Open MPI).
     * ``"none"``: no launcher (plain ``python``, torchrun): a world of one, unless
       ``init_process_group`` is told a rank and a world size to meet through a store.
     * ``"foreign"``: a PMIx launcher outside Slurm (Open MPI's ``mpirun``) and an
       MPI library that cannot speak PMIx (the MPICH wheel), whose start would abort
       the job: :func:`require_startable` raises instead.
 
-    Reads the MPI library's name only inside an srun step (importing ``mpi4py.MPI``
-    then, which does not start MPI while :func:`defer_mpi_init` holds it back).
+    Reads the MPI library's name only under a PMIx launcher or in an srun step with
+    a PMI plugin (importing ``mpi4py.MPI`` then, which does not start MPI while
+    :func:`defer_mpi_init` holds it back).
     """
     step = slurm_step()
     if step is not None and step.size > 1:
@@ -110,9 +112,11 @@ def _speaks_launcher() -> bool:
 def defer_mpi_init() -> None:
     """Keep mpi4py from initializing MPI until ``start_mpi`` where MPI alone would not form the world.
 
-    That is without a launcher, and in an srun step (until :func:`launch_mode` has
-    read the MPI library's name; where the library speaks srun's protocol, MPI then
-    starts at once, as mpi4py would have started it).
+    That is without a launcher, and in an srun step or under a PMIx launcher until
+    :func:`launch_mode` has read the MPI library's name: where the library speaks
+    the launcher's protocol, MPI then starts at once, as mpi4py would have started
+    it on import; else mpidist forms the world (srun) or raises before MPI's start
+    aborts the job (an MPICH without PMIx under Open MPI's mpirun).
     """
     if "mpi4py.MPI" in sys.modules:
         return
