@@ -86,8 +86,8 @@ class World:
         self.direct: Any = None  # backends.direct.DirectState: whether the MPI backend calls MPI directly (once)
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
+        self.activity_since = 0.0  # when that wait began (time.monotonic)
         self.survey_count = 0  # timeout diagnoses started here (see diagnose/stall.py)
-        self.unsent: list[Any] = []  # the diagnoses' messages not yet delivered (peers may be dead: never waited for)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment
         self.pmi_server: Any = None  # rank 0 of a world started without an MPI launcher (launch/pmi.py)
         self.boot_store: Any = None  # the store an srun step met through before init_process_group (start_world)
@@ -110,6 +110,7 @@ class World:
         self.node_comm: Any = None  # shared-memory (node-local) split of the world
         self.init_info = InitInfo()
         self.store: Any = None  # the default store (get_default_store)
+        self.stall: Any = None  # diagnose.stall.Beacon: this rank's beats in the default store (made on first use)
 
     def next_group_name(self) -> str:
         """Return a name for a group that every rank creates in the same order."""
@@ -122,6 +123,8 @@ class World:
 
     def reset(self) -> None:
         """Forget every group; called by ``destroy_process_group()``."""
+        if self.stall is not None:
+            self.stall.close()
         self._clear()
 
 

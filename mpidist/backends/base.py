@@ -138,9 +138,9 @@ class BaseBackend(ABC):
     ) -> DistBackendError:
         """Diagnose call ``seq``, which did not complete within ``timeout_s``, and return its error.
 
-        This communicates: it asks the other members what they are waiting in
-        (``stall.survey``, at most a second) so the message can say who has not
-        arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
+        It reads what the other members are waiting in from the default store
+        (``stall.survey``, three beats: 0.3 to 3 s; never a message to a
+        member, which may be dead) so the message can say who has not arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
         ``note`` (a sentence) tells what became of the call; ``settled`` means nothing
         of it is left pending (a cancelled receive), so the group is still usable.
         Otherwise the call is recorded as stuck: at exit, a process that still has
@@ -149,8 +149,9 @@ class BaseBackend(ABC):
         where = ""
         if self.global_ranks is not None and self.size > 1:
             with stall.waiting(self.group_name, op, seq):  # others that time out too may ask us
-                answers = stall.survey(self.global_ranks, min(1.0, max(0.2, 0.1 * timeout_s)))
-            where = " " + stall.explain(answers, self.global_ranks)
+                answers = stall.survey(self.global_ranks, 3 * stall.beat_interval(timeout_s))
+            if answers:
+                where = " " + stall.explain(answers, self.global_ranks)
         if settled:
             end = "The group is still usable."
         else:

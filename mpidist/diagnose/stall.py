@@ -1,12 +1,19 @@
 """Where is everybody? Diagnosing a call that timed out.
 
-When a call times out, its rank asks every other member of the group which
-mpidist call it is waiting in, over the world's private control communicator,
-and gives them a moment to answer. Every rank that is itself waiting inside
-mpidist (the slow phase of ``work.poll``) answers with its current call: group,
-operation and sequence number. A rank that does not answer is outside mpidist
-(computing, stuck in other code, or dead). None of this costs anything on the
-fast path: a rank records what it waits for only once its wait has become slow.
+When a call times out, its rank wants to say which other members are waiting in
+which mpidist call, and which are not answering (computing, stuck elsewhere, or
+dead). It asks through the default store, never through MPI: a message to a peer
+that died or whose host vanished can crash the sender inside MPI (MPICH over UCX
+did: SIGSEGV in MPI_Isend), so the diagnosis of a failure must not touch the
+failed peer. Every rank whose wait has lasted 0.2 s beats: it writes
+``(group, op, seq, beat)`` under ``mpidist/stall/<global rank>`` every tenth of
+the time it has waited (0.1 to 1 s). The rank that timed out after T reads every
+member's entry twice, three beats of T apart: a member whose beat moved is
+waiting in that call; one whose beat did not move is not waiting in mpidist at
+all (or is dead). The store's traffic runs in a thread of its own, so a store that
+is gone (its host died) delays no wait and no diagnosis by more than the window.
+Without a default store the message just names no one. Nothing of this touches
+a healthy job's collectives: they do not wait 0.2 s.
 
 Example of the resulting message::
 
@@ -17,19 +24,34 @@ Example of the resulting message::
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from typing import Any
 
 from .._world import world
 
-__all__ = ["waiting", "serve", "survey", "explain"]
+__all__ = ["waiting", "serve", "survey", "explain", "beat_interval", "QUIET_S"]
 
-_REQUEST_TAG = 0x5A11
-_REPLY_TAG = 0x5A12
+_KEY = "mpidist/stall/"
+
+
+#: a wait beats only once it has lasted this long (seconds): the collectives of a healthy job never do
+QUIET_S = 0.2
+
+
+def beat_interval(waited_s: float) -> float:
+    """Seconds between two beats of a rank that has waited ``waited_s``: a tenth of it, 0.1 to 1 s.
+
+    A rank that timed out after ``timeout_s`` reads the others' beats three such
+    intervals (of ``timeout_s``) apart: the ranks waiting as long as it did beat at
+    least twice meanwhile.
+    """
+    return min(1.0, max(0.1, 0.1 * waited_s))
 
 
 class waiting:  # noqa: N801 - used like a function: ``with waiting(...):``
-    """Record, for the duration of a slow wait, which call this rank waits in."""
+    """Record, for the duration of a slow wait, which call this rank waits in, and since when."""
 
     __slots__ = ("activity", "previous")
 
@@ -38,78 +60,123 @@ class waiting:  # noqa: N801 - used like a function: ``with waiting(...):``
         self.previous: Any = None
 
     def __enter__(self) -> waiting:
-        self.previous = world.activity
-        world.activity = self.activity
+        self.previous = (world.activity, world.activity_since)
+        world.activity, world.activity_since = self.activity, time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        world.activity = self.previous
+        world.activity, world.activity_since = self.previous
 
 
-def _comm() -> Any:
-    return world.control_comm
+class Beacon:
+    """This rank's beats, written to the store by a thread of their own (a store call may block)."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store = store
+        self.key = f"{_KEY}{rank}"
+        self.count = 0
+        self.last = -1e9
+        self.broken = False  # the store failed once: no more beats (and no diagnoses through it)
+        self._outbox: str | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, activity: Any, since: float, force: bool = False) -> None:
+        """Hand a beat to the writer thread if one is due (never blocks)."""
+        now = time.monotonic()
+        if self.broken:
+            return
+        if not force:
+            waited = now - since
+            if waited < QUIET_S or now - self.last < beat_interval(waited):
+                return
+        self.last = now
+        self.count += 1
+        self._outbox = json.dumps([*activity, self.count])
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="mpidist-stall", daemon=True)
+            self._thread.start()
+        self._ready.set()
+
+    def close(self) -> None:
+        """Stop the writer thread (the world is being reset)."""
+        self.broken = True
+        self._ready.set()
+
+    def _write(self) -> None:
+        while not self.broken:
+            self._ready.wait()
+            self._ready.clear()
+            value, self._outbox = self._outbox, None
+            if value is None:
+                continue
+            try:
+                self.store.set(self.key, value)
+            except Exception:  # noqa: BLE001 - the store is gone (closed, its host dead): stop beating
+                self.broken = True
 
 
-def serve() -> None:
-    """Answer every pending "where are you?" request (called while waiting)."""
-    comm = _comm()
-    if comm is None:
+def _beacon() -> Beacon | None:
+    """This world's beacon (made on first use), or None without a default store or a control communicator."""
+    if world.stall is None and world.store is not None and world.control_comm is not None:
+        world.stall = Beacon(world.store, world.control_comm.Get_rank())
+    return world.stall
+
+
+def serve(force: bool = False) -> None:
+    """Beat, if due (called while a wait is slow; ``force``: now)."""
+    if world.activity is None:
         return
-    from mpi4py import MPI
-
-    status = MPI.Status()
-    while comm.Iprobe(MPI.ANY_SOURCE, _REQUEST_TAG, status):
-        token = comm.recv(source=status.Get_source(), tag=_REQUEST_TAG)
-        if world.activity is not None:  # not waiting in mpidist: stay silent, like a busy rank
-            _post(comm.isend((token, world.activity), dest=status.Get_source(), tag=_REPLY_TAG))
-
-
-def _post(request: Any) -> None:
-    """Let a small message go out on its own: never wait for it (its peer may be dead or unreachable).
-
-    A blocking send to a peer that died or whose host vanished can hang or crash
-    inside MPI; the request is kept (a few bytes each) and dropped once MPI
-    completes it.
-    """
-    world.unsent = [r for r in world.unsent if not _done(r)]
-    if not _done(request):
-        world.unsent.append(request)
-
-
-def _done(request: Any) -> bool:
-    try:
-        return bool(request.Test())
-    except Exception:  # noqa: BLE001 - MPI gave up on it (the peer is gone): nothing more to wait for
-        return True
+    beacon = _beacon()
+    if beacon is not None:
+        beacon.beat(world.activity, world.activity_since, force)
 
 
 def survey(global_ranks: list[int], wait_s: float) -> dict[int, Any]:
-    """Ask ``global_ranks`` what they wait in; return {rank: activity or None} after ``wait_s``."""
-    comm = _comm()
-    if comm is None:
-        return {}
-    from mpi4py import MPI
+    """Find what ``global_ranks`` wait in; return {rank: (group, op, seq) or None} after about ``wait_s``.
 
-    me = comm.Get_rank()
+    Reads the members' beats twice, ``wait_s`` apart (this rank beats meanwhile, for
+    others asking at the same time); entries are read by a helper thread, so a store
+    that does not answer costs at most the window.
+    """
+    beacon = _beacon()
+    if beacon is None or beacon.broken:
+        return {}
+    me = world.control_comm.Get_rank()
     others = [r for r in global_ranks if r != me]
     world.survey_count += 1
-    token = (me, world.survey_count)
-    for r in others:
-        _post(comm.isend(token, dest=r, tag=_REQUEST_TAG))
+    first: dict[int, Any] = {}
+    second: dict[int, Any] = {}
+    reader = threading.Thread(target=_read_twice, args=(beacon.store, others, wait_s, first, second), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + wait_s + 1.0
+    interval = wait_s / 3
+    next_beat = time.monotonic()
+    while reader.is_alive() and time.monotonic() < deadline:
+        if time.monotonic() >= next_beat:  # others timing out too read this rank: beat at their pace
+            serve(force=True)
+            next_beat += interval
+        reader.join(min(0.02, interval))
     answers: dict[int, Any] = {r: None for r in others}
-    pending = set(others)
-    status = MPI.Status()
-    deadline = time.monotonic() + wait_s
-    while pending and time.monotonic() < deadline:
-        serve()  # others may be asking us at the same time
-        while comm.Iprobe(MPI.ANY_SOURCE, _REPLY_TAG, status):
-            source = status.Get_source()
-            got_token, activity = comm.recv(source=source, tag=_REPLY_TAG)
-            if got_token == token and source in pending:  # drop answers to older surveys
-                answers[source] = activity
-                pending.discard(source)
-        time.sleep(0.001)
+    for r, entry in second.items():
+        before = first.get(r)
+        if entry is not None and (before is None or entry[-1] != before[-1]):
+            answers[r] = tuple(entry[:3])
     return answers
+
+
+def _read_twice(store: Any, ranks: list[int], wait_s: float, first: dict, second: dict) -> None:
+    """Fill ``first`` and ``second`` with the ranks' entries, read ``wait_s`` apart (missing ranks left out)."""
+    for target in (first, second):
+        if target is second:
+            time.sleep(wait_s)
+        keys = [f"{_KEY}{r}" for r in ranks]
+        try:
+            present = [(r, k) for r, k in zip(ranks, keys) if store.check([k])]
+            for r, k in present:
+                target[r] = json.loads(store.get(k))
+        except Exception:  # noqa: BLE001 - a store that fails names no one
+            return
 
 
 def explain(answers: dict[int, Any], group_ranks: list[int]) -> str:
