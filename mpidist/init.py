@@ -167,6 +167,13 @@ def init_process_group(
         if store is not None:
             _check_store(store, fn)
         plan = plan_from(init_method, store, claims, fn)
+        if plan.scheme in ("tcp", "file") and plan.world_size < 0 and launch_mode() == "none":
+            # each process would start a world of its own; torch raises here too
+            raise ValueError(
+                f"{fn}: init_method {init_method!r} without an MPI launcher needs the world size and this "
+                "process's rank: pass world_size= and rank=, or add ?rank=R&world_size=N to the URL "
+                "(RANK and WORLD_SIZE are read with env:// only, as in torch)"
+            )
         set_debug_level_from_env()
 
         require_startable(fn)

@@ -316,3 +316,14 @@ def test_import_mpidist_leaves_mpi_uninitialized_and_imports_no_torch(launcher):
     assert p.returncode == 0, p.stderr
     expected = [[], "1", "1"] if launcher else [[], None, None]
     assert json.loads(p.stdout) == expected
+
+
+@only_once
+@pytest.mark.parametrize("url", ["file://{tmp}/rdv", "tcp://127.0.0.1:1"])
+def test_tcp_or_file_without_world_size_and_no_launcher_is_refused(url, tmp_path):
+    """RANK/WORLD_SIZE in the environment are not read with file:// or tcp:// (as in torch): without them in
+    the URL or the arguments, every process would have started a world of its own; it raises instead."""
+    code = f"import mpidist as dist; dist.init_process_group(init_method={url.format(tmp=tmp_path)!r}, timeout=10)"
+    p = subprocess.run([sys.executable, "-c", code], env=clean_env(RANK="1", WORLD_SIZE="3"),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode != 0 and "needs the world size and this process's rank" in p.stderr, p.stderr[-2000:]
