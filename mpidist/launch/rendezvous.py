@@ -172,7 +172,7 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
         from .pmi import start_server_process
 
         world.pmi_server, address = start_server_process(host, size, hosts, timeout.total_seconds())
-        store.set(f"{_KEY}/pmi", address)
+        store.set(f"{_KEY}/pmi", json.dumps({"address": address, "env": _mpi_settings(len(set(hosts)))}))
         step = slurm_step()
         how = (
             f"srun started {step.size} tasks without a process manager this MPI library uses"
@@ -180,9 +180,11 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
             else "no MPI launcher"
         )
         _log.info("%s: %s: forming the world of %d processes through the store; PMI server at %s", fn, how, size, address)
-    address = store.get(f"{_KEY}/pmi").decode()
-    if not address:
+    published = store.get(f"{_KEY}/pmi").decode()
+    if not published:
         raise RuntimeError(_no_address(fn, None))
+    meeting = json.loads(published)
+    address = meeting["address"]
     if rank == 0:
         from .pmi import wait_others_connected
 
@@ -195,7 +197,24 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
                 "(they met at the store but never connected to rank 0's PMI server: check that they can reach "
                 "it, and for ranks that failed)"
             )
-    return store, {"PMI_PORT": address, "PMI_ID": str(rank)}
+    settings = {k: v for k, v in meeting["env"].items() if k not in os.environ}  # the user's own choice wins
+    return store, {"PMI_PORT": address, "PMI_ID": str(rank), **settings}
+
+
+def _mpi_settings(hosts: int) -> dict[str, str]:
+    """MPI settings rank 0 chooses for every process of a world it forms (the same on all of them).
+
+    Across hosts, MPICH's UCX network module crashes the survivors (SIGSEGV inside
+    MPI's progress) when a peer dies or its host vanishes; its OFI module reports
+    the failure and mpidist's timeout then names the missing rank (measured with a
+    rank killed on one of 3 simulated hosts: UCX, 1 of 2 survivors crashed; OFI,
+    both raised DistBackendError). Set ``MPIR_CVAR_CH4_NETMOD`` to choose yourself.
+    """
+    from .boot import mpi_library
+
+    if hosts > 1 and mpi_library().startswith("mpich") and "MPIR_CVAR_CH4_NETMOD" not in os.environ:
+        return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    return {}
 
 
 def _no_address(fn: str, hosts: list[str] | None) -> str:
