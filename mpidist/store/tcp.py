@@ -213,9 +213,22 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
             raise DistNetworkError(
                 f"{fn}: could not connect to a TCPStore server at {host}:{port} within "
                 f"{timedelta(seconds=timeout or 0)} (last error: {last}); is the master store running there?"
+                + _loopback_hint(infos)
             )
         time.sleep(pause if left is None else min(pause, left))
         pause = min(pause * 2, _RETRY_MAX_S)
+
+
+def _loopback_hint(infos: list) -> str:
+    """A sentence for a server address that is loopback here: processes on other hosts never reach it."""
+    import ipaddress
+
+    if not any(ipaddress.ip_address(addr[0]).is_loopback for *_, addr in infos):
+        return ""
+    return (
+        " That address is loopback on this host (127.x, ::1; on Debian a host name may resolve to 127.0.1.1): "
+        "if the server runs on another host, give its address that other hosts reach (MASTER_ADDR)"
+    )
 
 
 def _handshake(sock: socket.socket) -> None:
