@@ -20,7 +20,7 @@ from .backends.registry import Backend, nccl_available, nccl_importable, parse_b
 from .diagnose.debug import set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
-from .launch.boot import launch_mode, launcher_label, mpi_initialized, require_startable, start_mpi, world_of_one_hint
+from .launch.boot import launch_mode, launcher_label, launcher_numbers, mpi_initialized, require_startable, start_mpi, world_of_one_hint
 from .launch.environment import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
@@ -197,7 +197,10 @@ def init_process_group(
         try:
             mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
             problem = _disagreements(claims, mpi_rank, mpi_size)
-            if problem and mpi_size == 1:  # a world of one: each process raises alone, named by its launcher
+            numbers = launcher_numbers()
+            if problem and mpi_size == 1 and numbers is not None and numbers[1] > 1:
+                # the launcher started several processes but each is a world of one: each raises alone,
+                # named by the launcher's numbers (MPI calls every one of them rank 0)
                 raise ValueError(f"{fn}: {launcher_label()}{problem}")
             _agree(control, problem, fn)
             node = control.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_rank)

@@ -24,6 +24,7 @@ __all__ = [
     "start_mpi",
     "fill_launcher_environment",
     "launcher_label",
+    "launcher_numbers",
     "world_of_one_hint",
     "require_startable",
 ]
@@ -155,19 +156,28 @@ def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
     return MPI
 
 
-def launcher_label() -> str:
-    """``"task 2 of 4 (srun): "`` where a launcher numbered this process (for messages of worlds of one)."""
+def launcher_numbers() -> tuple[int, int, str] | None:
+    """(rank, size, launcher) as the launcher numbered this process, or None."""
     step = slurm_step()
     if step is not None:
-        return f"task {step.rank} of {step.size} (srun): "
+        return step.rank, step.size, "srun"
     for rank_var, size_var, who in (
         ("PMI_RANK", "PMI_SIZE", "PMI"),
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
     ):
         rank, size = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
         if rank.isdigit() and size.isdigit():
-            return f"rank {rank} of {size} ({who}): "
-    return ""
+            return int(rank), int(size), who
+    return None
+
+
+def launcher_label() -> str:
+    """``"task 2 of 4 (srun): "`` where a launcher numbered this process (for messages of worlds of one)."""
+    numbers = launcher_numbers()
+    if numbers is None:
+        return ""
+    rank, size, who = numbers
+    return f"{'task' if who == 'srun' else 'rank'} {rank} of {size} ({who}): "
 
 
 def world_of_one_hint() -> str:
