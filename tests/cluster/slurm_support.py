@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from mpidist.launch.environment import TORCHRUN_VARIABLES  # stdlib only at import: starts no MPI
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_SH = REPO / "tools" / "cluster" / "slurm.sh"
 PROBE = REPO / "tests" / "cluster" / "progs" / "probe.py"
@@ -42,21 +44,7 @@ _LAUNCHER_PREFIXES = (
     "I_MPI_",
     "TORCHELASTIC_",
 )
-_TORCHRUN = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "MPIEXEC",
-)
+_TORCHRUN = (*TORCHRUN_VARIABLES, "MPIEXEC")
 
 #: one name for every job these tests start, so that what a killed test leaves behind can be cancelled
 JOB_NAME = f"mpidist-test-{os.getpid()}"

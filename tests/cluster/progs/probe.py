@@ -49,14 +49,19 @@ def main(argv: list[str]) -> int:
         result.update(rank=rank, size=size, sum=x.tolist(), sum_ok=x.tolist() == [size * (size + 1) / 2] * 3)
         dist.barrier()
         dist.destroy_process_group()
+    report(result, argv[argv.index("--out") + 1] if "--out" in argv else None)
+    return 0
+
+
+def report(result: dict, out_dir: str | None) -> None:
+    """Print ``PROBE {json}``; with ``out_dir`` also write it to ``out_dir/probe-<host>-<pid>.json``."""
     text = json.dumps(result)
-    if "--out" in argv:
-        out = os.path.join(argv[argv.index("--out") + 1], f"probe-{result['host']}-{os.getpid()}.json")
+    if out_dir:
+        out = os.path.join(out_dir, f"probe-{result['host']}-{os.getpid()}.json")
         with open(out + ".tmp", "w") as f:
             f.write(text)
         os.replace(out + ".tmp", out)
     print("PROBE " + text, flush=True)
-    return 0
 
 
 if __name__ == "__main__":

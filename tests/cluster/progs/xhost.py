@@ -16,7 +16,6 @@ JSON to ``DIR/probe-<host>-<pid>.json``. Started by tests/cluster/test_hosts.py.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -24,8 +23,8 @@ import sys
 import numpy as np
 
 import mpidist as dist
+from probe import VARS, report  # this folder is the script's: sys.path[0]
 
-VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _arg(argv: list[str], name: str, default: str | None) -> str | None:
@@ -56,14 +55,7 @@ def main(argv: list[str]) -> int:
         result["store_seen"] = seen
     dist.barrier()
     dist.destroy_process_group()
-    text = json.dumps(result)
-    out_dir = _arg(argv, "--out", None)
-    if out_dir:
-        out = os.path.join(out_dir, f"probe-{result['host']}-{os.getpid()}.json")
-        with open(out + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(out + ".tmp", out)
-    print("PROBE " + text, flush=True)
+    report(result, _arg(argv, "--out", None))
     return 0
 
 
