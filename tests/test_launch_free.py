@@ -298,13 +298,18 @@ def test_master_port_that_is_not_a_number(monkeypatch):
         {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"},
         {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
          "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "5"},
+        {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "5",
+         "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "9"},
+        {"PMIX_RANK": "1", "PMIX_NAMESPACE": "x", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+         "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
     ],
-    ids=["none", "hydra", "srun-mpi-none"],
+    ids=["none", "hydra", "srun-mpi-none", "srun-mpi-pmi2", "mpirun"],
 )  # fmt: skip
 def test_import_mpidist_leaves_mpi_uninitialized_and_imports_no_torch(launcher):
     """import mpidist starts nothing: no mpi4py.MPI (so a launcher-free world can still form), no torch or
-    cupy; under a launcher it only copies the launcher's rank variables into torchrun's names. (Under a PMIx
-    launcher or srun with a PMI plugin it reads the MPI library's name first: tests/cluster/.)"""
+    cupy; under a launcher (srun with a PMI plugin included) it only copies the launcher's rank variables into
+    torchrun's names: a child process of a rank that imports mpidist must not start MPI."""
     code = (
         "import os, sys, json, mpidist\n"
         "print(json.dumps([sorted(m for m in ('mpi4py.MPI', 'torch', 'cupy') if m in sys.modules),"

