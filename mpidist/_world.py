@@ -87,7 +87,6 @@ class World:
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)
         self.activity: Any = None  # (group, op, seq) this rank is waiting in, once the wait is slow
         self.activity_since = 0.0  # when that wait began (time.monotonic)
-        self.survey_count = 0  # timeout diagnoses started here (see diagnose/stall.py)
         self.debug_level: Any = 0  # debug.DebugLevel; set by init_process_group from the environment
         self.pmi_server: Any = None  # rank 0 of a world started without an MPI launcher (launch/pmi.py)
         self.boot_store: Any = None  # the store an srun step met through before init_process_group (start_world)

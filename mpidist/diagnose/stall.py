@@ -144,7 +144,6 @@ def survey(global_ranks: list[int], wait_s: float) -> dict[int, Any]:
         return {}
     me = world.control_comm.Get_rank()
     others = [r for r in global_ranks if r != me]
-    world.survey_count += 1
     first: dict[int, Any] = {}
     second: dict[int, Any] = {}
     reader = threading.Thread(target=_read_twice, args=(beacon.store, others, wait_s, first, second), daemon=True)
