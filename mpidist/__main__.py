@@ -16,6 +16,7 @@ timeout. ``mpidistrun`` (docs/drop-in.md) starts the job and runs this.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -44,6 +45,9 @@ def main(argv: list[str]) -> int:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv
+        # as `python script.py` (and torchrun) do: the script's folder first on the path, so that it imports
+        # the modules beside it (`python -m` put the working directory there)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
     return 0
 

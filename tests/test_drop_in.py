@@ -233,3 +233,14 @@ def test_torch_multiprocessing_spawn_with_master_address(tmp_path):
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     got = _results([sys.executable, str(script)], env)
     assert got == [{"rank": r, "sum": [3.0, 3.0], "backend": "gloo"} for r in (0, 1)], got
+
+
+@pytest.mark.skipif(SIZE > 1, reason="starts its own process; runs in the world of one rank")
+def test_python_m_mpidist_script_imports_the_modules_beside_it(tmp_path):
+    """``python -m mpidist folder/script.py`` puts the script's folder first on sys.path, as ``python
+    folder/script.py`` and torchrun do (a helper module beside a training script was not found)."""
+    (tmp_path / "helper_beside.py").write_text("VALUE = 42\n")
+    (tmp_path / "script.py").write_text("from helper_beside import VALUE\nprint('VALUE', VALUE)\n")
+    p = subprocess.run([sys.executable, "-m", "mpidist", str(tmp_path / "script.py")], cwd="/",
+                       env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "VALUE 42" in p.stdout, p.stderr[-2000:]
