@@ -20,7 +20,15 @@ from .backends.registry import Backend, nccl_available, nccl_importable, parse_b
 from .diagnose.debug import set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
-from .launch.boot import launch_mode, launcher_label, launcher_numbers, mpi_initialized, require_startable, start_mpi, world_of_one_hint
+from .launch.boot import (
+    launch_mode,
+    launcher_label,
+    launcher_numbers,
+    mpi_initialized,
+    require_startable,
+    start_mpi,
+    world_of_one_hint,
+)
 from .launch.environment import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
@@ -221,7 +229,7 @@ def init_process_group(
         )
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
-            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td, fn)
+            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
             world.init_info.own_store = store is None
             pg = make_group(
                 data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg",
@@ -244,7 +252,7 @@ def _check_store(store: Any, fn: str) -> None:
         )
 
 
-def _open_default_store(comm: Any, single_node: bool, timeout: timedelta, fn: str) -> Any:
+def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any:
     """Rank 0 opens a TCPStore on a free port and tells the others (collective over ``comm``).
 
     It listens on loopback when every rank shares its node, else on the address
