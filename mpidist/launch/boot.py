@@ -179,16 +179,15 @@ def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
 
 def launcher_numbers() -> tuple[int, int, str] | None:
     """(rank, size, launcher) as the launcher numbered this process, or None."""
+    from .environment import LAUNCHER_FIELDS  # the one table of the launchers' variable names
+
     step = slurm_step()
     if step is not None:
         return step.rank, step.size, "srun"
-    for rank_var, size_var, who in (
-        ("PMI_RANK", "PMI_SIZE", "PMI"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "Open MPI"),
-    ):
+    for rank_var, size_var, *_ in LAUNCHER_FIELDS:
         rank, size = os.environ.get(rank_var, ""), os.environ.get(size_var, "")
         if rank.isdigit() and size.isdigit():
-            return int(rank), int(size), who
+            return int(rank), int(size), "Open MPI" if rank_var.startswith("OMPI_") else "PMI"
     return None
 
 
