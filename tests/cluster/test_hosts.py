@@ -46,6 +46,13 @@ BIG = 4 << 20
 #: .../netmod/ofi/ofi_send.h ... coll_attr == 0", exit 1; 1 survivor in about 4 runs here). An MPICH bug,
 #: not a crash: the process exits non-zero at once with MPI's message. Accepted for one survivor, not all.
 MPI_GAVE_UP = re.compile(r"Assertion failed in file \S*mpich\S*/src/mpid/")
+#: Open MPI's own report when its TCP transport sees a peer's socket close under mpirun: the process
+#: that sees it aborts the whole job at once from inside the transport ("An error occurred in Socket
+#: closed ... on a NULL communicator", MPI_ERRORS_ARE_FATAL whatever handler is set), naming no rank.
+#: It races prterun's own report of the killed process (which names it); in one CI run of several the
+#: abort wins. No Python code runs in between, so mpidist cannot name the rank; the job still ends
+#: at once, non-zero, without a crash, which the test keeps checking.
+OMPI_GAVE_UP = re.compile(r"\*\*\* An error occurred in Socket closed")
 #: the group timeout of the jobs that lose a rank, and how much longer their processes may take to end
 GROUP_TIMEOUT_S = 20
 MARGIN_S = 30
@@ -386,7 +393,7 @@ def job_problems(job: hs.Proc, since: float, what: str, rank: int, pid: int | No
     if crashed(job.rc, text):
         seg = hs.SEGFAULT_SIGNS.search(text)
         problems.append(f"a process crashed (exit {job.rc}, {seg.group(0) if seg else 'SIGSEGV'}) after {what}")
-    if not names_rank(text, rank, pid):
+    if not names_rank(text, rank, pid) and not OMPI_GAVE_UP.search(text):
         problems.append(f"nothing in the job's output names rank {rank}, lost when {what}")
     return problems
 
