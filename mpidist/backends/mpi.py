@@ -8,8 +8,10 @@ for an 8-byte all_reduce on 2 ranks) and gives every call a timeout. With
 
 Datatypes and reductions are probed at run time with ``MPI_Reduce_local``:
 float16 and bfloat16 move as their native MPI types where the library has them
-and as same-size unsigned integers otherwise; a reduction the library cannot do
-on them natively runs on a float32 copy that is rounded back (counted as a copy).
+and as same-size unsigned integers otherwise. They reduce with mpidist's own MPI
+ops (``halfops.py``: C, at memory speed, on the 2-byte numbers); where those are
+not built or are switched off, a reduction the library cannot do on them natively
+runs on a float32 copy that is rounded back (counted as a copy).
 
 List collectives (all_gather into a list, gather, scatter, all_to_all) address
 the caller's arrays directly: the vector variants of the MPI calls get byte
@@ -43,6 +45,7 @@ from ..reduce_op import (
 from ..work import Work, poll
 from .base import BaseBackend
 from .direct import calls_kind, make_calls
+from .halfops import HALF_DTYPES, HalfOps, half_ops
 from .mpi_persistent import MPIPersistent, arrived, posted_receive, receive_size_error
 
 __all__ = ["MPIBackend", "type_table"]
@@ -98,14 +101,26 @@ _GENERAL = object()
 class TypeEntry:
     """How this MPI library handles one dtype."""
 
-    __slots__ = ("info", "mpi", "ops", "wide")
+    __slots__ = ("info", "mpi", "ops", "wide", "fast", "half")
 
-    def __init__(self, info: _arrays.DtypeInfo, mpi: MPI.Datatype, ops: tuple[Any, ...], wide: np.dtype | None):
+    def __init__(
+        self,
+        info: _arrays.DtypeInfo,
+        mpi: MPI.Datatype,
+        ops: tuple[Any, ...],
+        wide: np.dtype | None,
+        fast: tuple[MPI.Op | None, ...] | None = None,
+        half: HalfOps | None = None,
+    ) -> None:
         self.info = info
         self.mpi = mpi  # datatype that moves the elements
-        # by RedOpType: an MPI.Op if MPI computes it on this dtype in one call, _GENERAL, or None (undefined)
+        # by RedOpType: an MPI.Op if MPI computes it natively on this dtype in one call, on any memory (host or
+        # a CUDA-aware library's device memory: mpi_device.py reads this), _GENERAL, or None (undefined)
         self.ops = ops
-        self.wide = wide  # dtype reductions run in when MPI cannot reduce this one natively
+        self.wide = wide  # dtype reductions run in when MPI cannot reduce this one natively (and no C ops)
+        # by RedOpType: the MPI.Op one call on host arrays uses (native, or mpidist's C op), else None
+        self.fast = fast if fast is not None else tuple(o if type(o) is Op else None for o in ops)
+        self.half = half  # float16/bfloat16: mpidist's C reductions (halfops.py), or None
 
 
 def _reduces_natively(mpi_type: MPI.Datatype, dtype: np.dtype, prim: Prim) -> bool:
@@ -124,7 +139,8 @@ def _reduces_natively(mpi_type: MPI.Datatype, dtype: np.dtype, prim: Prim) -> bo
     return bool(np.array_equal(b, expect))
 
 
-def _entry(info: _arrays.DtypeInfo) -> TypeEntry:
+def _entry(info: _arrays.DtypeInfo, alone: bool) -> TypeEntry:
+    """The entry of one dtype; ``alone``: for a communicator of one rank (see ``_half_fast``)."""
     native = getattr(MPI, _MPI_TYPE_NAMES[info.name], MPI.DATATYPE_NULL)
     have = native != MPI.DATATYPE_NULL
     move = native if have else _RAW_BY_SIZE[info.dtype.itemsize]
@@ -135,17 +151,39 @@ def _entry(info: _arrays.DtypeInfo) -> TypeEntry:
         if info.kind != "f" or info.dtype.itemsize >= _WIDE.itemsize:  # pragma: no cover - MPI-2 era libraries
             raise RuntimeError(f"this MPI library cannot reduce {info.name} arrays")
         wide = _WIDE
+    half = half_ops(info.dtype) if info.name in HALF_DTYPES else None
+    if half is not None:
+        # mpidist's C ops read host memory: no op of this dtype counts as native (a CUDA-aware MPI must not
+        # get device memory for them: mpi_device.py stages); one call on host arrays uses them
+        ops = tuple(None if e is None else _GENERAL for e in table)
+        return TypeEntry(info, move, ops, wide, _half_fast(table, half, alone), half)
     ops = tuple(
         None if e is None else (_PRIM_OPS[e[0]] if e[1] is Post.NONE and wide is None else _GENERAL) for e in table
     )
     return TypeEntry(info, move, ops, wide)
 
 
-def type_table() -> dict[np.dtype, TypeEntry]:
-    """Return the dtype table of this MPI library (probed once per process)."""
-    if world.mpi_type_table is None:
-        world.mpi_type_table = {dt: _entry(info) for dt, info in _arrays.DTYPES.items()}
-    return world.mpi_type_table
+def _half_fast(table: tuple[Any, ...], half: HalfOps, alone: bool) -> tuple[MPI.Op | None, ...]:
+    """The C ops one call uses, by RedOpType: SUM and PRODUCT, and MIN/MAX (their rule is inside the C op).
+
+    On a communicator of one rank MPI never calls an op, so MIN/MAX would hand a NaN back with its
+    payload: there they keep the order keys, which make every NaN the default one.
+    """
+    return tuple(
+        half.by_prim[e[0]] if e is not None and (e[1] is Post.NONE or (e[1] is Post.KEYS and not alone)) else None
+        for e in table
+    )
+
+
+def type_table(alone: bool = False) -> dict[np.dtype, TypeEntry]:
+    """Return the dtype table of this MPI library (probed once per process); ``alone``: for a one-rank group."""
+    tables = world.mpi_type_table
+    if tables is None:
+        tables = world.mpi_type_table = {}
+    table = tables.get(alone)
+    if table is None:
+        table = tables[alone] = {dt: _entry(info, alone) for dt, info in _arrays.DTYPES.items()}
+    return table
 
 
 def _address(a: ndarray) -> int:
@@ -271,7 +309,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         # the latency-critical collectives: one call each, straight to MPI where the C module binds (direct.py)
         self._calls = make_calls(comm)
         self._owns_comm = owns_comm
-        self._types = type_table()
+        self._types = type_table(self.size == 1)
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
         self._epoch = 0  # monitored_barrier calls on this communicator
 
@@ -436,7 +474,9 @@ class MPIBackend(MPIPersistent, BaseBackend):
 
         Handles AVG (divide afterwards), PREMUL_SUM (scale a copy of the input
         first; the factor is read at every run), dtypes that MPI cannot reduce
-        (work on a float32 copy), MIN/MAX on floats (``_keys_plan``). Returns
+        (work on a float32 copy, unless mpidist's C ops reduce them: ``e.half``),
+        MIN/MAX on floats (``_keys_plan``), and ops of one call whose output is
+        staged (``e.fast``). Returns
         ``(send message, recv message, MPI op, prepare, finish, undo, buffers)``: the
         messages are bound to buffers allocated here once, ``prepare()`` (None if
         there is nothing to do) fills them before each run, ``finish()`` (or None)
@@ -450,6 +490,12 @@ class MPIBackend(MPIPersistent, BaseBackend):
         if entry is None:
             raise invalid_op_error(fn, base, info.kind, info.name)
         prim, post = entry
+        one = e.fast[base]
+        if one is not None:  # one MPI call does it (here for a staged output, or an input apart from the output)
+            return (
+                IN_PLACE if in_place else [send, e.mpi], None if recv is None else [recv, e.mpi], one,
+                None, None, None, (send, recv),
+            )  # fmt: skip
         if post is Post.KEYS:
             return self._keys_plan(e, prim, send, recv, in_place)
         premul = post is Post.PREMUL
@@ -457,7 +503,12 @@ class MPIBackend(MPIPersistent, BaseBackend):
             f = factor_value(factor)
             if isinstance(f, complex) and info.kind != "c":
                 raise ValueError(f"{fn}: PREMUL_SUM factor {f!r} is complex but the array is {info.name}")
-        wide = e.wide
+        half = e.half
+        # mpidist's C ops sum the 2-byte numbers themselves; PREMUL_SUM keeps the float32 copy where MPI
+        # cannot reduce the dtype (its products are not rounded to the 2-byte type, as before)
+        wide = None if half is not None and not (premul and e.wide is not None) else e.wide
+        if half is None or wide is not None:
+            half = None
         if wide is not None:
             s = np.empty(send.shape, wide)
             r = s if in_place else (None if recv is None else np.empty(recv.shape, wide))
@@ -465,6 +516,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         else:
             s = np.empty_like(send) if premul and not in_place else send  # never scale the caller's input
             r, mpi_type = recv, e.mpi
+        mop = _PRIM_OPS[prim] if half is None else half.by_prim[prim]
         copied = s is not send
         count = world.stats.count_copy
 
@@ -480,7 +532,10 @@ class MPIBackend(MPIPersistent, BaseBackend):
 
         def finish() -> None:
             if average:
-                divide_average(r, size, np)
+                if half is not None:
+                    half.divide(r, size)  # in C: numpy's float16 division is a slow loop
+                else:
+                    divide_average(r, size, np)
             if wide is not None:
                 np.copyto(recv, r, casting="unsafe")
                 if r is not s:
@@ -489,7 +544,7 @@ class MPIBackend(MPIPersistent, BaseBackend):
         smsg = IN_PLACE if in_place else [s, mpi_type]
         rmsg = None if r is None else [r, mpi_type]
         done = finish if r is not None and (average or wide is not None) else None
-        return smsg, rmsg, _PRIM_OPS[prim], prepare if copied or premul else None, done, None, (send, recv, s, r)
+        return smsg, rmsg, mop, prepare if copied or premul else None, done, None, (send, recv, s, r)
 
     def _keys_plan(
         self, e: TypeEntry, prim: Prim, send: ndarray, recv: ndarray | None, in_place: bool
@@ -561,8 +616,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "all_reduce")
-        mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        if type(mop) is not Op or backs is not None:
+        mop = e.fast[op] if type(op) is RedOpType else None
+        if mop is None or backs is not None:
             comm = self.comm
             return self._reduction(
                 "all_reduce", e, op, buf, buf, True,
@@ -577,8 +632,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
     def reduce(self, buf: ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or self._bad_dtype(buf, "reduce")
-        mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        if type(mop) is not Op or backs is not None:
+        mop = e.fast[op] if type(op) is RedOpType else None
+        if mop is None or backs is not None:
             comm = self.comm
             at_root = self.rank == root
             return self._reduction(
@@ -596,8 +651,8 @@ class MPIBackend(MPIPersistent, BaseBackend):
         e = self._types.get(out.dtype) or self._bad_dtype(out, "reduce_scatter_tensor")
         if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
-        mop = e.ops[op] if type(op) is RedOpType else _GENERAL
-        if type(mop) is not Op or backs is not None:
+        mop = e.fast[op] if type(op) is RedOpType else None
+        if mop is None or backs is not None:
             comm = self.comm
             return self._reduction(
                 "reduce_scatter_tensor", e, op, inp, out, False,

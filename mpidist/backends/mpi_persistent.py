@@ -21,8 +21,8 @@ Two rules keep it safe:
   arrived and the initialization cannot hang (as ``MPIBackend.gate`` does before
   communicator creation).
 
-What one native MPI call cannot do (AVG, PREMUL_SUM, bfloat16 sums, outputs staged
-for layout, an input that overlaps the output) becomes work before each start and
+What one MPI call cannot do (AVG, PREMUL_SUM, bfloat16 sums without mpidist's C
+ops, outputs staged for layout, an input that overlaps the output) becomes work before each start and
 after each completion (``PersistentPlan.pre``/``post``), on buffers allocated once.
 """
 
@@ -237,9 +237,9 @@ class MPIPersistent:
 
     @staticmethod
     def _native(e: Any, op: Any) -> Any:
-        """The MPI op if MPI computes ``op`` on the entry's dtype in one call, else None."""
-        mop = e.ops[op] if type(op) is RedOpType else None
-        return mop if type(mop) is MPI.Op else None
+        """The MPI op if one MPI call computes ``op`` on the entry's dtype (host arrays: mpidist's C ops
+        for float16/bfloat16 count), else None."""
+        return e.fast[op] if type(op) is RedOpType else None
 
     # -- collectives ----------------------------------------------------------------------------
     def broadcast_init(self, buf: ndarray, backs: Any, root: int) -> PersistentPlan:
