@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -100,6 +101,10 @@ class ProcessGroup:
         self.refusal: str | None = None  # why this group refuses every call on this rank (see failed_alone)
         #: the live persistent operations made on this group (mpidist.persistent.Persistent), freed by shutdown
         self.persistent: weakref.WeakSet[Any] = weakref.WeakSet()
+        if "torch" in sys.modules:  # events in torch's profiler while one runs (no cost per call otherwise)
+            from .diagnose.profiler import watch
+
+            watch()
 
     # -- routing: each method below takes ``(self._route.get(type(x)) or self._levels(...))[world.debug_level]``
     def _levels(self, fn: str, a: Any, b: Any = None) -> tuple[BaseBackend, ...]:

@@ -35,6 +35,8 @@ def _seconds(timeout: Any) -> float | None:
 class TorchWork(dist.Work):
     """The handle torch's code gets for one asynchronous operation of the mpidist backend."""
 
+    _record: Any = None  # the profiler's event of this operation, ended when it settles (diagnose/profiler.py)
+
     def __init__(self, inner: Sequence[Any], outputs: Any, op: str, devices: list[Any] | None = None) -> None:
         super().__init__()
         self._inner = inner  # mpidist Works (more than one for the *_coalesced loops)
@@ -76,6 +78,9 @@ class TorchWork(dist.Work):
             self._settled = True
             self._exc = exc
             future = self._future
+            record = self._record
+        if record is not None:
+            record.end()
         self._finished.set()
         if future is not None:
             _complete(future, self._outputs, exc)
@@ -91,6 +96,14 @@ class TorchWork(dist.Work):
     def run(self) -> None:
         """The engine's queue item: drive the operation to completion."""
         self._complete_here()
+
+    def _profile_until_done(self, record: Any) -> None:
+        """End the profiler's event ``record`` when the operation completes (now, if it has)."""
+        with self._state:
+            if not self._settled:
+                self._record = record
+                return
+        record.end()
 
     # -- torch.distributed.Work --------------------------------------------------------------
     def wait(self, timeout: timedelta = _ZERO) -> bool:

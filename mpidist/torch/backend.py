@@ -40,11 +40,13 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, p2p
+from ..barriers import monitored_barrier as _monitored_barrier
 from .._world import world
 from ..groups import new_group
 from ..init import destroy_process_group as _destroy
 from ..init import init_process_group as _init
 from ..reduce_op import foreign_op, make_premul_sum
+from . import _monitored, _profiler, _sparse
 from ._engine import engine
 from ._work import TorchWork
 
@@ -171,9 +173,15 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if type(opts) is not _AllreduceOptions:  # pg.allreduce(tensor[, op]): torch's convenience forms
             opts = _allreduce_options(opts)
         t = tensors[0] if type(tensors) is list and len(tensors) == 1 else _one(tensors, "allreduce")
-        w = collectives.all_reduce(
-            t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
-        )
+        try:
+            w = collectives.all_reduce(
+                t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
+            )
+        except TypeError:
+            if getattr(t, "layout", None) is not torch.sparse_coo:
+                raise
+            _sparse.all_reduce(t, _op(opts.reduceOp, "allreduce"), self._lane())  # as gloo: gathered, summed, coalesced
+            w = [] if opts.asyncOp else None  # a Work that is complete
         if w is None:
             return None
         return self._work(w, tensors if type(tensors) is list else [t], "allreduce")
@@ -274,6 +282,10 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         timeout = None if opts is None or opts.timeout == _UNSET else opts.timeout
         w = collectives.barrier(self._lane(), async_op=async_op, timeout=timeout)
         return None if w is None else self._work(w, [], "barrier")
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's barrier that names the ranks that did not arrive within ``timeout``: :func:`mpidist.monitored_barrier`."""
+        _monitored_barrier(self._lane(), timeout, wait_all_ranks)
 
     def _sync_or_work(self, works: list[Any], outputs: Any, opts: Any, op: str) -> TorchWork | None:
         if opts.asyncOp:
@@ -396,3 +408,7 @@ def register() -> None:
     """Register the ``"mpidist"`` backend with torch (idempotent)."""
     if getattr(dist.Backend, BACKEND_NAME.upper(), None) is None:
         dist.Backend.register_backend(BACKEND_NAME, _create_from_options, extended_api=True, devices=["cpu", "cuda"])
+
+
+_profiler.watch(ProcessGroupMPIDist)  # torch's profiler events (no cost while none runs: see _profiler.py)
+_monitored.install(ProcessGroupMPIDist)  # dist.monitored_barrier reaches ProcessGroupMPIDist.monitored_barrier
