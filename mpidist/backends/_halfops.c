@@ -103,7 +103,10 @@ static inline int16_t key(uint16_t x) {
     return (int16_t)(s ^ ((s >> 15) & 0x7fff));
 }
 
-/* -- the user functions: inout[i] = in[i] op inout[i] ------------------------------------------------ */
+/* -- the user functions: inout[i] = in[i] op inout[i] ------------------------------------------------
+ * SUM and PROD take the operand with the lower bits first: the numbers' result is the same either way, and
+ * where both are NaN the CPU returns the first one's payload, so every rank gets the same NaN whichever
+ * side of the op MPI's algorithm hands it (with MPICH's own float16 sum, ranks got different NaNs). */
 #define ARITH(name, from, to, expr)                                                        \
     CLONES static void name(void *in, void *inout, int *len, void *datatype) {             \
         const uint16_t *restrict a = (const uint16_t *)in;                                 \
@@ -111,7 +114,8 @@ static inline int16_t key(uint16_t x) {
         int n = *len;                                                                      \
         (void)datatype;                                                                    \
         for (int i = 0; i < n; i++) {                                                      \
-            float x = from(a[i]), y = from(b[i]);                                          \
+            uint16_t p = a[i], q = b[i];                                                   \
+            float x = from(p < q ? p : q), y = from(p < q ? q : p);                        \
             b[i] = to(expr);                                                               \
         }                                                                                  \
     }
@@ -166,12 +170,14 @@ CLONES static void bf16_divide(uint16_t *restrict a, Py_ssize_t n, float d) {
         int n = *len, i = 0;                                                                             \
         (void)datatype;                                                                                  \
         for (; i + 8 <= n; i += 8) {                                                                     \
-            __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));                       \
-            __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));                       \
+            __m128i p = _mm_loadu_si128((const __m128i *)(a + i));                                       \
+            __m128i q = _mm_loadu_si128((const __m128i *)(b + i));                                       \
+            __m256 x = _mm256_cvtph_ps(_mm_min_epu16(p, q)), y = _mm256_cvtph_ps(_mm_max_epu16(p, q));   \
             _mm_storeu_si128((__m128i *)(b + i), _mm256_cvtps_ph(vop(x, y), ROUND_EVEN));                \
         }                                                                                                \
         for (; i < n; i++) {                                                                             \
-            float x = h2f(a[i]), y = h2f(b[i]);                                                          \
+            uint16_t p = a[i], q = b[i];                                                                 \
+            float x = h2f(p < q ? p : q), y = h2f(p < q ? q : p);                                        \
             b[i] = f2h(expr);                                                                            \
         }                                                                                                \
     }
