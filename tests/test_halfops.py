@@ -379,3 +379,79 @@ def test_nan_stays_nan_in_sums_and_products():
             checks.true(f"{dtype} {op.name}: {got}", bool(np.isnan(got[3]) and math.isinf(got[5])))
             checks.true(f"{dtype} {op.name}: -inf", bool(got[8] == -np.inf))
     checks.done()
+
+
+# -- gloo: torch.distributed's CPU backend rounds each pairwise add too -----------------------------
+@pytest.fixture(scope="module")
+def gloo():
+    """A gloo process group over the same processes (rank and size from MPI), for this module."""
+    torch = pytest.importorskip("torch")
+    tdist = pytest.importorskip("torch.distributed")
+    if not tdist.is_available() or not tdist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    import shutil
+    import tempfile
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    owned = not tdist.is_initialized()
+    tmpdir = comm.bcast(tempfile.mkdtemp(prefix="mpidist-halfops-") if RANK == 0 else None, root=0)
+    timeout = timedelta(seconds=120)
+    if owned:
+        tdist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=RANK, world_size=SIZE,
+                                 timeout=timeout)  # fmt: skip
+        pg = tdist.group.WORLD
+    else:
+        pg = tdist.new_group(backend="gloo", timeout=timeout)
+    try:
+        yield torch, tdist, pg
+    finally:
+        tdist.destroy_process_group(None if owned else pg)
+        comm.barrier()
+        if RANK == 0:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _gloo_all_reduce(gloo: Any, a: np.ndarray, op: Any) -> np.ndarray:
+    torch, tdist, pg = gloo
+    tdtype = torch.float16 if a.dtype == F16 else torch.bfloat16
+    t = torch.from_numpy(bits(a).astype(np.int16)).view(tdtype).clone()
+    tdist.all_reduce(t, op=getattr(tdist.ReduceOp, op.name), group=pg)
+    return t.view(torch.int16).numpy().view(np.uint16).view(a.dtype).copy()
+
+
+@pytest.mark.parametrize("op", [R.SUM, R.PRODUCT, R.MIN, R.MAX], ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_same_bits_as_gloo_where_the_order_is_the_same(gloo, dtype, op):
+    """Two ranks contribute random finite patterns (subnormals included; MIN/MAX: every rank, which is exact in
+    any order): one rounding per element, so gloo and mpidist must agree bit for bit."""
+    rng = np.random.default_rng(77)
+    rows = [random_bits(rng, 4097, dtype) for _ in range(SIZE)]
+    rows = [np.where(np.isfinite(r.astype(np.float32)), r, np.array(3.0, dtype)) for r in rows]
+    if op not in (R.MIN, R.MAX):
+        rows[2:] = [neutral(op, 4097, dtype) for _ in rows[2:]]
+    x = rows[RANK].copy()
+    dist.all_reduce(x, op=op)
+    theirs = _gloo_all_reduce(gloo, rows[RANK], op)
+    checks = Checks()
+    diff = np.flatnonzero(bits(x) != bits(theirs))
+    checks.true(f"{diff.size} elements differ from gloo, e.g. {bits(x)[diff[:4]]} != {bits(theirs)[diff[:4]]}",
+                diff.size == 0)  # fmt: skip
+    checks.done()
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_gloo_and_mpidist_both_round_each_add(gloo, dtype):
+    """Every rank contributes: gloo's ring and MPI's algorithm combine in different orders, but each element of
+    either is some order of pairwise-rounded adds (not the float32 sum rounded once)."""
+    rng = np.random.default_rng(12)
+    rows = [(rng.standard_normal(4097) * 10.0 ** rng.integers(-3, 3, 4097)).astype(dtype) for _ in range(SIZE)]
+    candidates = orders(rows, lambda a, b: pairwise(R.SUM, dtype, a, b))
+    x = rows[RANK].copy()
+    dist.all_reduce(x)
+    theirs = _gloo_all_reduce(gloo, rows[RANK], R.SUM)
+    checks = Checks()
+    checks.true("mpidist: not an order of pairwise sums", bool(any_order(x, candidates).all()))
+    checks.true("gloo: not an order of pairwise sums", bool(any_order(theirs, candidates).all()))
+    checks.done()
