@@ -868,6 +868,36 @@ def test_tcp_constructor_arguments():
     assert not problems, problems
 
 
+def test_tcp_store_server_survives_a_wait_of_a_year():
+    """A client's wait with a far deadline (torch passes a year for "no timeout") must not break the server.
+
+    The server's select timeout was the time to the nearest deadline, which overflowed poll()'s int
+    milliseconds: the server thread died and every client lost its connection (seen with gloo groups
+    made on the "mpi" default group's store)."""
+    master = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    client = TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=10))
+    waited: list[BaseException | None] = []
+
+    def wait_long() -> None:
+        try:
+            client.wait(["late"], timedelta(days=365))
+            waited.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            waited.append(exc)
+
+    thread = threading.Thread(target=wait_long, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # the server now holds the year-long deadline
+    master.set("other", b"1")
+    assert master.get("other") == b"1"
+    master.set("late", b"2")
+    thread.join(10)
+    assert waited == [None], f"the long wait ended with {waited}"
+    assert client.get("late") == b"2"
+    client.close()
+    master.close()
+
+
 def test_tcp_store_default_timeout_and_repr():
     store = TCPStore("127.0.0.1", 0, 1, True)
     assert store.timeout == timedelta(seconds=300)

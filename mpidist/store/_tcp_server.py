@@ -53,6 +53,8 @@ _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags of the listening socket and the wake-up pair
 _RECV_BYTES = 1 << 20
 _BACKLOG = 1024
+#: the longest one select() sleeps (a later deadline is simply checked again after it)
+_MAX_SLEEP_S = 3600.0
 #: the default bound on the replies queued for one client (bytes)
 MAX_QUEUED_BYTES = 8 << 20
 #: what a queued reply costs beyond its bytes (its buffer objects), so small replies count too
@@ -285,7 +287,8 @@ class StoreServer:
         wake = [self._deadlines[0][0]] if self._deadlines else []
         if self._accept_at is not None:
             wake.append(self._accept_at)
-        return max(0.0, min(wake) - time.monotonic()) if wake else None
+        # capped: a far deadline (a client's wait of a year) would overflow poll()'s int of milliseconds
+        return min(max(0.0, min(wake) - time.monotonic()), _MAX_SLEEP_S) if wake else None
 
     def _drain_wake(self) -> None:
         try:
