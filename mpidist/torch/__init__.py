@@ -7,8 +7,10 @@ After the import, torch's own code runs over MPI (and NCCL) through mpidist::
     dist.init_process_group("mpidist")        # under mpiexec/srun: nothing else needed
     model = torch.nn.parallel.DistributedDataParallel(model)
 
-Everything in this package imports torch; ``import mpidist`` never does.
-See docs/torch-backend.md.
+An installed mpidist does the same at ``import torch`` (torch's entry points,
+``_mpidist_autoload``), so unmodified torch programs need no import; this
+package installs it again where that was turned off. Everything in this
+package imports torch; ``import mpidist`` never does. See docs/torch-backend.md.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "mpidist.torch needs torch: pip install 'mpidist[torch]' (the rest of mpidist works without it)"
     ) from exc
 
-from . import _mpi_name, _rendezvous
+from . import _mpi_name
 from ._mpi_name import status as mpi_name_status
 from .backend import BACKEND_NAME, ProcessGroupMPIDist, register
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMPIDist", "mpi_name_status", "register"]
 
-register()
-_rendezvous.install()
-_mpi_name.install()
+_mpi_name.install()  # also registers "mpidist" and wraps env:// (_mpidist_autoload.install)

@@ -405,9 +405,10 @@ def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGr
 
 
 def register() -> None:
-    """Register the ``"mpidist"`` backend with torch (idempotent)."""
-    if getattr(dist.Backend, BACKEND_NAME.upper(), None) is None:
-        dist.Backend.register_backend(BACKEND_NAME, _create_from_options, extended_api=True, devices=["cpu", "cuda"])
+    """Register the ``"mpidist"`` backend with torch, and the rest of ``_mpidist_autoload.install`` (idempotent)."""
+    import _mpidist_autoload
+
+    _mpidist_autoload.install()
 
 
 _profiler.watch(ProcessGroupMPIDist)  # torch's profiler events (no cost while none runs: see _profiler.py)
