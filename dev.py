@@ -72,6 +72,7 @@ def setup(extras: str, torch: bool = False, venv: Path = VENV) -> Path:
         stamp.write_text(key)
     if torch:
         install_local_torch(python)
+        install_lightning(python)
     return python
 
 
@@ -87,6 +88,20 @@ def install_local_torch(python: Path) -> None:
     if rc == 0:
         rc = run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
     say("torch installed: the gloo comparison tests run" if rc == 0 else "no local torch wheel: gloo comparisons are skipped")
+
+
+#: the Lightning the tests train with over "mpi" and "mpidist" (tests/test_torch_autoload.py)
+LIGHTNING = "lightning==2.6.6"
+
+
+def install_lightning(python: Path) -> None:
+    """Install Lightning where torch is installed (a few MB; its tests are skipped without it)."""
+    if subprocess.call([python, "-c", "import torch, lightning"], stderr=subprocess.DEVNULL) == 0:
+        return
+    if subprocess.call([python, "-c", "import torch"], stderr=subprocess.DEVNULL) != 0:
+        return
+    rc = run([python, "-m", "pip", "install", "-q", LIGHTNING])
+    say("Lightning installed: the Lightning tests run" if rc == 0 else "Lightning did not install: its tests are skipped")
 
 
 def mpiexec(python: Path, use_env: bool = True) -> tuple[list[str], dict[str, str]]:

@@ -129,6 +129,39 @@ def test_the_mpi_name_as_the_default_group(fresh):
     fail_together(problems)
 
 
+def test_the_mpi_default_group_has_a_real_store_for_side_groups(fresh):
+    """torch gives its MPI default group a placeholder store; on mpidist it is the default store, so
+    gloo side groups (Lightning's prepare_data barrier) and store-based barriers work on "mpi"."""
+    if not mpidist_torch.mpi_name_status().startswith("installed"):
+        pytest.skip(f"the 'mpi' name is not served here: {mpidist_torch.mpi_name_status()}")
+    tdist.init_process_group("mpi")
+    problems = []
+    store = tdist.distributed_c10d._get_default_store()
+    store.set(f"from/{RANK}", str(RANK * 7))
+    store.wait([f"from/{r}" for r in range(SIZE)], timedelta(seconds=30))
+    got = [int(store.get(f"from/{r}")) for r in range(SIZE)]
+    if got != [r * 7 for r in range(SIZE)]:
+        problems.append(f"the default store gave {got}")
+    if store.add("count", 1) < 1:
+        problems.append("add on the default store")
+    side = tdist.new_group(backend="gloo")
+    t = torch.tensor([RANK + 1.0, 2.0])
+    tdist.all_reduce(t, group=side)
+    if t.tolist() != [SIZE * (SIZE + 1) / 2, 2.0 * SIZE]:
+        problems.append(f"all_reduce on the gloo side group gave {t.tolist()}")
+    if tdist.get_backend(side) != "gloo":
+        problems.append(f"side group backend {tdist.get_backend(side)}")
+    odd = tdist.new_group([r for r in range(SIZE) if r % 2], backend="gloo") if SIZE > 1 else None
+    if RANK % 2:
+        y = torch.ones(1)
+        tdist.all_reduce(y, group=odd)
+        if y.item() != SIZE // 2:
+            problems.append(f"all_reduce on the odd ranks' gloo group gave {y.item()}")
+    tdist.barrier(group=side)
+    problems += _sum_check("'mpi' after the side groups")
+    fail_together(problems)
+
+
 CHILD = textwrap.dedent(
     """
     import json
