@@ -872,6 +872,62 @@ def test_the_checks_in_c_answer_as_the_python_functions():
                 assert _outcome(c, x, "f", "a", 3) == _outcome(py, x, "f", "a", 3), (name, x)
 
 
+def _tensor_cases(torch) -> list:
+    """CPU tensors the C check makes views of, and tensors it must leave to host.py, for each reason."""
+    base = torch.arange(24.0)
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    cases = [
+        torch.ones(3), base.reshape(4, 6), base[4:10], torch.tensor(2.5), torch.ones(0, 3), torch.ones(3, 1, 2),
+        torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.float16), z, torch.zeros(2, dtype=torch.bool),
+        torch.arange(5, dtype=torch.uint8), torch.ones(2, requires_grad=True), torch.nn.Parameter(torch.ones(2)),
+        base.reshape(4, 6).T, base[::2], torch.ones(1).expand(4),  # not C-contiguous: staged by host.py
+        z.conj(), z.conj().imag, torch.ones(2).to_sparse(),  # conjugate / negative bit, sparse
+        torch.ones(2, dtype=torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None,  # not sent by mpidist
+    ]  # fmt: skip
+    class Sub(torch.Tensor):
+        pass
+
+    return [c for c in cases if c is not None] + [torch.ones(2).as_subclass(Sub)]
+
+
+def test_the_checks_in_c_make_torch_views_as_host_py_does():
+    """Plain CPU tensors: the view made in C (arrays/_ready.c tensor_view) has host_view's dtype, shape, strides,
+    address and base, writes land in the tensor, the storage stays resizable; every other tensor goes to
+    host.py, so both answer (results or errors) the same."""
+    torch = pytest.importorskip("torch")
+    checks = _c_and_python()
+    from mpidist.arrays import _ready
+
+    _arrays.host_view(torch.ones(1))  # binds torch in C
+    for t in _tensor_cases(torch):
+        view = _ready.tensor_view(t)
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
+        fast = plain and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.dtype in world.torch_dtypes
+        fast = fast and t.data_ptr() != 0  # empty tensors: host.py
+        assert (view is not None) == fast, (t.dtype, t.shape, view)
+        if fast:
+            ref = _arrays.host_view(t)
+            assert (view.dtype, view.shape, view.strides) == (ref.dtype, ref.shape, ref.strides), t
+            assert view.__array_interface__["data"][0] == t.data_ptr() and view.base is t
+            assert view.flags.writeable and view.flags.c_contiguous
+        for name, c, py in checks:
+            if name in ("may_overlap", "byte_spans"):
+                continue
+            if name == "prepare_pair":
+                for u in (torch.ones(3), torch.arange(6.0)[::2], np.ones(2)):
+                    assert _outcome(c, t, u, "f", "o", "i") == _outcome(py, t, u, "f", "o", "i"), (t, u)
+                    assert _outcome(c, u, t, "f", "o", "i") == _outcome(py, u, t, "f", "o", "i"), (u, t)
+            else:
+                assert _outcome(c, t, "f", "a") == _outcome(py, t, "f", "a"), (name, t)
+    t = torch.zeros(4)
+    view = _arrays.prepare_inout(t, "f", "a")[0]
+    view += 3
+    assert t.tolist() == [3.0] * 4, "the view does not write into the tensor"
+    del view
+    t.resize_(100)  # gloo leaves tensors resizable (DDP's PowerSGD hook resizes its buffers): so must mpidist
+    assert t.shape == (100,)
+
+
 def test_the_checks_in_c_pass_ready_arrays_through_without_a_copy():
     _c_and_python()
     a, b = np.ones(4), np.zeros(4)

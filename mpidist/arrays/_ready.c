@@ -13,6 +13,16 @@
  * and hand every other call, arguments unchanged, to the Python function of the
  * same name that `bind` gave (which checks again, then adapts, validates or stages).
  *
+ * A plain torch CPU tensor (exact torch.Tensor or torch.nn.Parameter, strided, of a
+ * dtype mpidist sends, without the negative or conjugate bit) is ready too, once
+ * `bind_torch` has been called (host.py does on the first tensor it sees): its
+ * numpy view is made here (`tensor_view`), as host.host_view makes it (zero-copy,
+ * strides kept, the tensor as the view's base, the storage left resizable), from
+ six of torch's attribute reads and method calls instead of Python frames and an
+ * __array_interface__ dict. A tensor that is not C-contiguous (staged anyway), and
+ * anything a torch call refuses (sparse, nested), goes to the Python function with
+ * the arguments unchanged, which gives the same answer or error.
+ *
  * may_overlap(a, b) of two numpy arrays compares the byte ranges their elements
  * span (numpy's bounds check, as numpy.may_share_memory); anything else goes to
  * host.may_overlap. byte_spans(arrays) of a list or tuple of C-contiguous exact
@@ -33,7 +43,25 @@ static struct {
     PyTypeObject *ndarray; /* numpy.ndarray */
     PyObject *dtypes;      /* arrays.dtypes.DTYPES: the supported dtypes (dict keys) */
     PyObject *slow[KINDS]; /* the Python functions */
+    PyTypeObject *tensor;  /* torch.Tensor, after bind_torch */
+    PyTypeObject *param;   /* torch.nn.Parameter */
+    PyObject *torch_dtypes; /* torch dtype -> numpy dtype (host._torch_dtypes) */
+    PyObject *torch[7]; /* the descriptors of torch.Tensor's members below (see TORCH_NAMES) */
 } S;
+
+/* the members of torch.Tensor read here: attributes (getset descriptors) and methods without arguments,
+ * called through their descriptors found once (no attribute lookup per call) */
+enum { IS_CPU, DTYPE, SHAPE, IS_CONTIGUOUS, DATA_PTR, IS_NEG, IS_CONJ, TORCH_MEMBERS };
+static const char *const TORCH_NAMES[TORCH_MEMBERS] = {"is_cpu", "dtype", "shape", "is_contiguous",
+                                                       "data_ptr", "is_neg", "is_conj"};
+
+/* x.<member> or x.<member>() (a new reference, or NULL with an error set) */
+static PyObject *member(PyObject *x, int which) {
+    PyObject *d = S.torch[which];
+    descrgetfunc get = Py_TYPE(d)->tp_descr_get;
+    if (which <= SHAPE && get != NULL) return get(d, x, (PyObject *)Py_TYPE(x));
+    return PyObject_Vectorcall(d, &x, 1, NULL);
+}
 
 /* 1 if `x` goes to MPI as it is; 0 if not (or before bind) */
 static int ready(PyObject *x, int writeable) {
@@ -57,27 +85,118 @@ static PyObject *slow(int kind, PyObject *const *args, size_t nargsf, PyObject *
     return PyObject_Vectorcall(S.slow[kind], args, nargsf, kwnames);
 }
 
-static PyObject *prepare_input(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    if (nargs >= 1 && ready(args[0], 0)) {
-        Py_INCREF(args[0]);
-        return args[0];
+/* 1 if torch's `x.<member>` (or `x.<member>()`) answers exactly `want` (Py_True/Py_False) */
+static int answers(PyObject *x, int which, PyObject *want) {
+    PyObject *got = member(x, which);
+    if (got == NULL) return 0;
+    int same = got == want;
+    Py_DECREF(got);
+    return same;
+}
+
+/* the n items of a tuple of ints (torch.Size, or stride()'s tuple) into `out`; 0 on anything else */
+static int ints(PyObject *t, npy_intp *out, int n, npy_intp scale) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n) return 0;
+    for (int i = 0; i < n; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, i));
+        if (v == -1 && PyErr_Occurred()) return 0;
+        out[i] = (npy_intp)v * scale;
     }
-    return slow(INPUT, args, (size_t)nargs, kwnames);
+    return 1;
+}
+
+/* A new reference to the numpy view of plain CPU tensor `x`, or NULL (no error set) where the
+ * Python path must decide (also every tensor that is not C-contiguous: it is staged anyway).
+ * host.host_view's rules: see the comment at the top. */
+static PyObject *tensor_view(PyObject *x) {
+    PyTypeObject *type = Py_TYPE(x);
+    if (S.tensor == NULL || (type != S.tensor && type != S.param)) return NULL;
+    PyObject *view = NULL, *dtype = NULL, *shape = NULL, *ptr = NULL;
+    if (!answers(x, IS_CPU, Py_True) || !answers(x, IS_NEG, Py_False)) goto done;
+    dtype = member(x, DTYPE);
+    if (dtype == NULL) goto done;
+    PyArray_Descr *descr = (PyArray_Descr *)PyDict_GetItemWithError(S.torch_dtypes, dtype); /* borrowed */
+    if (descr == NULL) goto done;
+    /* only complex tensors can carry the conjugate bit */
+    if (PyDataType_ISCOMPLEX(descr) && !answers(x, IS_CONJ, Py_False)) goto done;
+    /* C-contiguous only (the rest is staged by the Python path): no stride() tuple to make and read */
+    if (!answers(x, IS_CONTIGUOUS, Py_True)) goto done;
+    shape = member(x, SHAPE); /* sparse and nested tensors refuse is_contiguous() or data_ptr() */
+    if (shape == NULL || !PyTuple_Check(shape)) goto done;
+    int nd = (int)PyTuple_GET_SIZE(shape);
+    npy_intp dims[NPY_MAXDIMS], steps[NPY_MAXDIMS];
+    if (nd > NPY_MAXDIMS || !ints(shape, dims, nd, 1)) goto done;
+    npy_intp step = (npy_intp)PyDataType_ELSIZE(descr);
+    for (int i = nd - 1; i >= 0; i--) { /* torch's contiguous strides (a size-1 axis may have any stride) */
+        steps[i] = step;
+        step *= dims[i] > 1 ? dims[i] : 1;
+    }
+    ptr = member(x, DATA_PTR);
+    if (ptr == NULL) goto done;
+    void *data = PyLong_AsVoidPtr(ptr);
+    if (data == NULL) goto done; /* an empty tensor (numpy would allocate memory for a NULL address) */
+    Py_INCREF(descr); /* NewFromDescr steals it */
+    view = PyArray_NewFromDescr(&PyArray_Type, descr, nd, dims, steps, data, NPY_ARRAY_WRITEABLE, NULL);
+    if (view == NULL) goto done;
+    Py_INCREF(x);
+    if (PyArray_SetBaseObject((PyArrayObject *)view, x) < 0) { /* the view keeps the tensor alive */
+        Py_DECREF(x);
+        Py_CLEAR(view);
+    }
+done:
+    if (view == NULL) PyErr_Clear();
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    Py_XDECREF(ptr);
+    return view;
+}
+
+/* `x` itself if ready, else the view of a plain CPU tensor if that is ready (a new reference
+ * either way), else NULL with no error set */
+static PyObject *ready_or_view(PyObject *x, int writeable) {
+    if (ready(x, writeable)) {
+        Py_INCREF(x);
+        return x;
+    }
+    PyObject *view = tensor_view(x);
+    if (view != NULL && !ready(view, writeable)) Py_CLEAR(view);
+    return view;
+}
+
+static PyObject *prepare_input(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *a = nargs >= 1 ? ready_or_view(args[0], 0) : NULL;
+    return a ? a : slow(INPUT, args, (size_t)nargs, kwnames);
+}
+
+/* prepare_output and prepare_inout: (buffer, None) */
+static PyObject *writable(int kind, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *a = nargs >= 1 ? ready_or_view(args[0], 1) : NULL;
+    if (a == NULL) return slow(kind, args, (size_t)nargs, kwnames);
+    PyObject *pair = PyTuple_Pack(2, a, Py_None);
+    Py_DECREF(a);
+    return pair;
 }
 
 static PyObject *prepare_output(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    if (nargs >= 1 && ready(args[0], 1)) return PyTuple_Pack(2, args[0], Py_None);
-    return slow(OUTPUT, args, (size_t)nargs, kwnames);
+    return writable(OUTPUT, args, nargs, kwnames);
 }
 
 static PyObject *prepare_inout(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    if (nargs >= 1 && ready(args[0], 1)) return PyTuple_Pack(2, args[0], Py_None);
-    return slow(INOUT, args, (size_t)nargs, kwnames);
+    return writable(INOUT, args, nargs, kwnames);
 }
 
 static PyObject *prepare_pair(PyObject *m, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    if (nargs >= 2 && ready(args[0], 1) && ready(args[1], 0)) return PyTuple_Pack(3, args[0], Py_None, args[1]);
-    return slow(PAIR, args, (size_t)nargs, kwnames);
+    if (nargs < 2) return slow(PAIR, args, (size_t)nargs, kwnames);
+    PyObject *out = ready_or_view(args[0], 1);
+    PyObject *in = out ? ready_or_view(args[1], 0) : NULL;
+    if (in == NULL) {
+        Py_XDECREF(out);
+        return slow(PAIR, args, (size_t)nargs, kwnames);
+    }
+    PyObject *triple = PyTuple_Pack(3, out, Py_None, in);
+    Py_DECREF(out);
+    Py_DECREF(in);
+    return triple;
 }
 
 /* the byte range [lo, hi) the elements of `a` span; 0 if it has none */
@@ -193,10 +312,55 @@ static PyObject *bind(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *bind_torch(PyObject *m, PyObject *args) {
+    PyObject *tensor, *param, *table;
+    if (!PyArg_ParseTuple(args, "O!O!O!:bind_torch", &PyType_Type, &tensor, &PyType_Type, &param, &PyDict_Type,
+                          &table))
+        return NULL;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(table, &pos, &key, &value)) {
+        if (!PyArray_DescrCheck(value)) {
+            PyErr_SetString(PyExc_TypeError, "bind_torch: the table's values must be numpy dtypes");
+            return NULL;
+        }
+    }
+    PyObject *found[TORCH_MEMBERS];
+    int same_in_param = 1;
+    for (int i = 0; i < TORCH_MEMBERS; i++) {
+        found[i] = PyObject_GetAttrString(tensor, TORCH_NAMES[i]); /* on the class: the descriptor itself */
+        PyObject *in_param = found[i] ? PyObject_GetAttrString(param, TORCH_NAMES[i]) : NULL;
+        if (in_param == NULL) {
+            for (int j = 0; j <= i; j++) Py_XDECREF(found[j]);
+            return NULL;
+        }
+        same_in_param &= in_param == found[i];
+        Py_DECREF(in_param);
+    }
+    for (int i = 0; i < TORCH_MEMBERS; i++) Py_XSETREF(S.torch[i], found[i]);
+    if (!same_in_param) param = tensor; /* a torch whose Parameter overrides one of them: plain tensors only */
+    Py_INCREF(table);
+    Py_XSETREF(S.torch_dtypes, table);
+    Py_INCREF(param);
+    Py_XSETREF(S.param, (PyTypeObject *)param);
+    Py_INCREF(tensor);
+    Py_XSETREF(S.tensor, (PyTypeObject *)tensor);
+    Py_RETURN_NONE;
+}
+
+static PyObject *view_of_tensor(PyObject *m, PyObject *x) {
+    PyObject *view = tensor_view(x);
+    if (view == NULL) Py_RETURN_NONE;
+    return view;
+}
+
 #define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL | METH_KEYWORDS, doc}
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(ndarray, DTYPES, prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)"},
+    {"bind_torch", bind_torch, METH_VARARGS,
+     "bind_torch(torch.Tensor, torch.nn.Parameter, {torch dtype: numpy dtype})"},
+    {"tensor_view", view_of_tensor, METH_O, "the numpy view of a plain CPU tensor made here, or None (for tests)"},
     FAST(prepare_input, "host.prepare_input, with the readiness check in C"),
     FAST(prepare_output, "host.prepare_output, with the readiness check in C"),
     FAST(prepare_inout, "host.prepare_inout, with the readiness check in C"),

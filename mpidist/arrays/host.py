@@ -82,6 +82,8 @@ def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
         if BFLOAT16 is not None:
             table[torch.bfloat16] = BFLOAT16
         world.torch_dtypes = table
+        if _ready is not None:  # from now on the C readiness check makes plain CPU tensors' views itself
+            _ready.bind_torch(torch.Tensor, torch.nn.Parameter, table)
     return table
 
 
@@ -580,12 +582,11 @@ def may_overlap(a: ndarray, b: ndarray) -> bool:
 def _checks_in_c() -> tuple[Callable[..., Any], ...] | None:
     """The four ``prepare_*`` functions, :func:`may_overlap` and :func:`byte_spans` in C (``_ready.c``), where built.
 
-    They answer ready arrays without a Python frame (about 0.1 us less per array)
-    and hand anything else to the Python functions above.
+    They answer ready arrays without a Python frame (about 0.1 us less per array),
+    make plain CPU tensors' views (once :func:`_torch_dtypes` has bound torch), and
+    hand anything else to the Python functions above.
     """
-    try:
-        from . import _ready
-    except ImportError:  # not built (no C compiler at install): the Python functions do it all
+    if _ready is None:
         return None
     _ready.bind(ndarray, DTYPES, *IN_PYTHON)
     return (
@@ -593,6 +594,11 @@ def _checks_in_c() -> tuple[Callable[..., Any], ...] | None:
         _ready.byte_spans,
     )  # fmt: skip
 
+
+try:
+    from . import _ready
+except ImportError:  # not built (no C compiler at install): the Python functions do it all
+    _ready = None
 
 #: the Python functions; where the C module exists it hands them what it does not take (tests compare the two)
 IN_PYTHON = (prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)
