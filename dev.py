@@ -90,18 +90,20 @@ def install_local_torch(python: Path) -> None:
     say("torch installed: the gloo comparison tests run" if rc == 0 else "no local torch wheel: gloo comparisons are skipped")
 
 
-#: the Lightning the tests train with over "mpi" and "mpidist" (tests/test_torch_autoload.py)
-LIGHTNING = "lightning==2.6.6"
+#: what the torch tests use beside torch: the Lightning they train with over "mpi" and "mpidist"
+#: (tests/test_torch_autoload.py), and expecttest, which torch's own distributed test suite imports
+#: (tests/test_torch_suite.py)
+TORCH_TEST_EXTRAS = ("lightning==2.6.6", "expecttest")
 
 
 def install_lightning(python: Path) -> None:
-    """Install Lightning where torch is installed (a few MB; its tests are skipped without it)."""
-    if subprocess.call([python, "-c", "import torch, lightning"], stderr=subprocess.DEVNULL) == 0:
+    """Install Lightning and expecttest where torch is installed (a few MB; their tests are skipped without)."""
+    if subprocess.call([python, "-c", "import torch, lightning, expecttest"], stderr=subprocess.DEVNULL) == 0:
         return
     if subprocess.call([python, "-c", "import torch"], stderr=subprocess.DEVNULL) != 0:
         return
-    rc = run([python, "-m", "pip", "install", "-q", LIGHTNING])
-    say("Lightning installed: the Lightning tests run" if rc == 0 else "Lightning did not install: its tests are skipped")
+    rc = run([python, "-m", "pip", "install", "-q", *TORCH_TEST_EXTRAS])
+    say("Lightning and expecttest installed" if rc == 0 else "Lightning/expecttest did not install: their tests skip")
 
 
 def mpiexec(python: Path, use_env: bool = True) -> tuple[list[str], dict[str, str]]:
