@@ -86,7 +86,7 @@ def halfops_status() -> str:
     Example::
 
         >>> halfops_status()
-        'C ops (F16C)'
+        'C ops (float16: F16C, bfloat16: AVX2)'
     """
     if _state is None and not MPI.Is_initialized():
         return "undecided (MPI is not initialized)"
@@ -122,7 +122,7 @@ def _make() -> _State:
     problem = _self_check(ops)
     if problem:
         return _State({}, problem)
-    return _State(ops, "", _halfops.float16_loops)
+    return _State(ops, "", f"float16: {_halfops.float16_loops}, bfloat16: {_halfops.bfloat16_loops}")
 
 
 def _self_check(ops: dict[str, HalfOps]) -> str:
