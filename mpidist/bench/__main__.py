@@ -4,6 +4,7 @@
     mpiexec -n 4 mpidist-bench -c all_reduce -b 8 -e 256M -f 4    # one collective, a wider sweep
     mpiexec -n 2 mpidist-bench -c p2p_latency p2p_bandwidth -e 4M
     mpiexec -n 8 mpidist-bench -d bfloat16 -o avg --check --json out.json --plot out.png
+    mpiexec -n 2 mpidist-bench -c all_reduce -d float32,float16,bfloat16 -b 64K -e 64M -f 64   # dtypes side by side
     mpiexec -n 8 mpidist-bench --device cuda --backend nccl       # cupy arrays, one GPU per rank
 
 For each collective and size it prints the size S and count, then for mpidist and
@@ -86,11 +87,17 @@ def _collectives(text: str) -> list[str]:
     return out
 
 
-def _dtype(text: str) -> str:
-    try:
-        return parse_dtype(text).name
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _dtypes(text: str) -> list[str]:
+    """``'float32,float16'`` -> the numpy names, in order, each once."""
+    out: list[str] = []
+    for name in text.split(","):
+        try:
+            dtype = parse_dtype(name.strip()).name
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if dtype not in out:
+            out.append(dtype)
+    return out
 
 
 def _rank() -> int:
@@ -125,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one or more of: all (default), {', '.join(CASES)} (spaces or commas between names)",
     )  # fmt: skip
     p.add_argument(
-        "-d", "--dtype", type=_dtype, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)"
-    )
+        "-d", "--dtype", type=_dtypes, default=["float32"],
+        help=f"one or more (commas between; each size gets a row per dtype) of {', '.join(DTYPES)} (default float32)",
+    )  # fmt: skip
     p.add_argument(
         "-o", "--op", choices=list(OPS), default="sum", help="reduction of all_reduce, reduce, reduce_scatter"
     )
@@ -254,14 +262,14 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
     comm = MPI.COMM_WORLD.Dup()
     try:
         n, rank = comm.Get_size(), comm.Get_rank()
-        dtype = parse_dtype(args.dtype)
-        ctx = Context(
-            dist=dist, comm=comm, arrays=arrays, dtype=dtype, op=args.op, root=args.root, window=args.window,
-            raw_mode=args.raw,
-        )  # fmt: skip
+        ctxs = [
+            Context(dist=dist, comm=comm, arrays=arrays, dtype=parse_dtype(name), op=args.op, root=args.root,
+                    window=args.window, raw_mode=args.raw)
+            for name in args.dtype
+        ]  # fmt: skip
         meta: dict[str, Any] = {
             "tool": "mpidist.bench", "mpidist": __version__, "ranks": n, "backend": str(dist.get_backend()),
-            "device": arrays.name, "device_detail": arrays.describe, "dtype": dtype.name, "op": args.op,
+            "device": arrays.name, "device_detail": arrays.describe, "dtype": ",".join(args.dtype), "op": args.op,
             "root": args.root, "iters": args.iters or "auto", "warmup": args.warmup, "trials": args.trials,
             "window": args.window, "raw": args.raw, "check": args.check, "mpi_library": MPI.Get_library_version().strip(),
             "timing": "seconds per message: the slowest rank's batch time / messages, median over interleaved trials",
@@ -280,22 +288,29 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
                 continue
             if table:
                 table.section(name, case.summary, case.factor_text, case.factor(n))
-            missing = ""
-            for count, size in _layouts(case, sizes, dtype.itemsize, n):
+            missing = {ctx.dtype.name: "" for ctx in ctxs}
+            failed: set[str] = set()
+            for ctx, count, size in _interleaved(case, sizes, ctxs, n):
+                if ctx.dtype.name in failed:
+                    continue  # the larger sizes fail alike
                 row, error = _measure(args, case, ctx, count, size)
                 if error:
                     if table:
-                        table.note(f"{format_bytes(size)}: mpidist cannot run this: {error}")
+                        table.note(f"{format_bytes(size)} {ctx.dtype.name}: mpidist cannot run this: {error}")
                     status = 1
-                    break  # the larger sizes fail alike
+                    failed.add(ctx.dtype.name)
+                    continue
                 rows.append(row)
-                missing = missing or row.note
+                missing[ctx.dtype.name] = missing[ctx.dtype.name] or row.note
                 if (row.wrong_mpidist or 0) + (row.wrong_raw or 0):
                     status = 1
                 if table:
                     table.row(row)
             if table:
-                _section_footer(table, [r for r in rows if r.collective == name], missing)
+                for ctx in ctxs:
+                    dtype = ctx.dtype.name
+                    mine = [r for r in rows if r.collective == name and r.dtype == dtype]
+                    _section_footer(table, mine, missing[dtype], dtype if len(ctxs) > 1 else "")
         if table:
             _footer(args, table, rows, status)
             if args.json:
@@ -305,6 +320,14 @@ def run_bench(args: argparse.Namespace, dist: Any, arrays: Any, out: Any = None)
         return status, rows
     finally:
         comm.Free()
+
+
+def _interleaved(case: Case, sizes: list[int], ctxs: list[Context], n: int) -> list[tuple[Context, int, int]]:
+    """``(context, count, S)`` of each row: by size, and at each size one row per dtype (in ``-d``'s order)."""
+    rows = [
+        (size, k, count) for k, ctx in enumerate(ctxs) for count, size in _layouts(case, sizes, ctx.dtype.itemsize, n)
+    ]
+    return [(ctxs[k], count, size) for size, k, count in sorted(rows)]
 
 
 def _layouts(case: Case, sizes: list[int], itemsize: int, n: int) -> list[tuple[int, int]]:
@@ -355,9 +378,11 @@ def _measure(args: argparse.Namespace, case: Case, ctx: Context, count: int, siz
     return row, ""
 
 
-def _section_footer(table: Table, rows: list[Row], missing: str) -> None:
+def _section_footer(table: Table, rows: list[Row], missing: str, dtype: str = "") -> None:
+    """The section's last lines (``dtype``: for one of several dtypes' rows, named in the lines)."""
+    label = f"{dtype}: " if dtype else ""
     if missing:
-        table.note(f"raw mpi4py: n/a ({missing})")
+        table.note(f"{label}raw mpi4py: n/a ({missing})")
     sized = [r for r in rows if r.bytes]
     if not sized:
         return
@@ -366,7 +391,7 @@ def _section_footer(table: Table, rows: list[Row], missing: str) -> None:
         values = [r.busbw(r.mpidist_s if impl == "mpidist" else r.raw_s) for r in sized]
         values = [v for v in values if v is not None]
         avg.append("n/a" if not values else f"{sum(values) / len(values):.3f} GB/s")
-    table.note(f"avg busbw over {len(sized)} sizes: mpidist {avg[0]}, raw mpi4py {avg[1]}")
+    table.note(f"{label}avg busbw over {len(sized)} sizes: mpidist {avg[0]}, raw mpi4py {avg[1]}")
 
 
 def _footer(args: argparse.Namespace, table: Table, rows: list[Row], status: int) -> None:
