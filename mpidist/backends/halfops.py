@@ -1,7 +1,7 @@
 """float16 and bfloat16 reductions at memory speed: MPI user-defined ops from C (``_halfops.c``).
 
 MPICH reduces ``MPI_FLOAT16_T`` in a slow software loop (measured: 17 ms for 1M
-numbers, 50x its float32 sum), its ``MPI_BFLOAT16_T`` is null, and Open MPI 5 has
+numbers, 30-50x its float32 sum), its ``MPI_BFLOAT16_T`` is null, and Open MPI 5 has
 neither type. The C module makes MPI ops (``MPI_Op_create``, commutative) that
 reduce the 2-byte numbers where they are: SUM and PROD combine each pair in
 float32 and round back to nearest even (the correctly rounded result, as numpy
