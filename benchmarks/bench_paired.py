@@ -66,14 +66,27 @@ def nonblocking(start: Callable[..., MPI.Request], *args: Any) -> Callable[[], N
     return call
 
 
-def calls(name: str, nbytes: int, comm: MPI.Comm, apis: dict[str, Any]) -> dict[str, Callable[[], Any]]:
-    """The implementations of ``name`` at ``nbytes`` per rank (float32), each on its own arrays."""
+def calls(
+    name: str, nbytes: int, comm: MPI.Comm, apis: dict[str, Any], tensors: bool = False
+) -> dict[str, Callable[[], Any]]:
+    """The implementations of ``name`` at ``nbytes`` per rank (float32), each on its own arrays (``tensors``:
+    mpidist's calls get torch CPU tensors, ``torch.from_numpy`` of them; raw mpi4py keeps numpy arrays)."""
     n = comm.Get_size()
     count = max(1, nbytes // 4)
     f32 = MPI.FLOAT
     out: dict[str, Callable[[], Any]] = {}
     for impl in IMPLS:
-        a = np.ones(count, np.float32)
+        if tensors and impl in apis:
+            import torch
+
+            def new(shape: int, dtype: Any, fill: Callable[..., np.ndarray] = np.ones) -> Any:
+                return torch.from_numpy(fill(shape, dtype))
+        else:
+
+            def new(shape: int, dtype: Any, fill: Callable[..., np.ndarray] = np.ones) -> Any:
+                return fill(shape, dtype)
+
+        a = new(count, np.float32)
         if name == "all_reduce":
             raw = (MPI.IN_PLACE, [a, f32], MPI.SUM)
             block, start = comm.Allreduce, comm.Iallreduce
@@ -83,34 +96,34 @@ def calls(name: str, nbytes: int, comm: MPI.Comm, apis: dict[str, Any]) -> dict[
             block, start = comm.Bcast, comm.Ibcast
             mine = lambda api, a=a: api.broadcast(a, 0)  # noqa: E731
         elif name == "all_gather_into_tensor":
-            o = np.empty(count * n, np.float32)
+            o = new(count * n, np.float32, np.empty)
             raw = ([a, f32], [o, f32])
             block, start = comm.Allgather, comm.Iallgather
             mine = lambda api, a=a, o=o: api.all_gather_into_tensor(o, a)  # noqa: E731
         elif name == "reduce_scatter_tensor":
-            i = np.ones(count * n, np.float32)
+            i = new(count * n, np.float32)
             raw = ([i, f32], [a, f32], MPI.SUM)
             block, start = comm.Reduce_scatter_block, comm.Ireduce_scatter_block
             mine = lambda api, a=a, i=i: api.reduce_scatter_tensor(a, i)  # noqa: E731
         elif name == "all_to_all_single":
-            i, o = np.ones(count * n, np.float32), np.empty(count * n, np.float32)
+            i, o = new(count * n, np.float32), new(count * n, np.float32, np.empty)
             raw = ([i, f32], [o, f32])
             block, start = comm.Alltoall, comm.Ialltoall
             mine = lambda api, o=o, i=i: api.all_to_all_single(o, i)  # noqa: E731
         elif name == "all_to_all_single_uneven":  # split sizes given (equal here, so raw is the same call)
-            i, o = np.ones(count * n, np.float32), np.empty(count * n, np.float32)
+            i, o = new(count * n, np.float32), new(count * n, np.float32, np.empty)
             sizes, displs = [count] * n, [count * r for r in range(n)]
             raw = ([i, sizes, displs, f32], [o, sizes, displs, f32])
             block, start = comm.Alltoallv, comm.Ialltoallv
             mine = lambda api, o=o, i=i, s=sizes: api.all_to_all_single(o, i, s, s)  # noqa: E731
         elif name == "all_reduce_coalesced":  # two arrays of count / 2 elements: pack, reduce, unpack
-            b, c = np.ones((count + 1) // 2, np.float32), np.ones(count // 2, np.float32)
-            packed = np.empty(b.size + c.size, np.float32)
+            b, c = new((count + 1) // 2, np.float32), new(count // 2, np.float32)
+            packed = np.empty(len(b) + len(c), np.float32)
             raw = (b, c, packed)
             block = start = None
             mine = lambda api, b=b, c=c: api.all_reduce_coalesced([b, c])  # noqa: E731
         else:  # batch_isend_irecv: send to the next rank, receive from the previous one
-            o = np.empty(count, np.float32)
+            o = new(count, np.float32, np.empty)
             nxt, prv = (comm.Get_rank() + 1) % n, (comm.Get_rank() - 1) % n
             raw = (a, o, nxt, prv)
             block = start = None
@@ -187,6 +200,7 @@ def main() -> int:
     p.add_argument("--sizes", nargs="*", type=int, default=[8, 4096, 262144], help="bytes per rank")
     p.add_argument("--collectives", nargs="*", default=COLLECTIVES, choices=COLLECTIVES + OTHERS)
     p.add_argument("--trials", type=int, default=41, help="interleaved trials (odd: a true median)")
+    p.add_argument("--torch", action="store_true", help="mpidist's calls on torch CPU tensors (raw: numpy arrays)")
     args = p.parse_args()
     if (args.before is None) == (not args.same):
         p.error("give --before DIR or --same")
@@ -204,7 +218,7 @@ def main() -> int:
               f" {'now/raw':>8s} {'bef/raw':>8s} {'now/nb':>8s} {'now/bef':>8s}")  # fmt: skip
     for name in args.collectives:
         for nbytes in args.sizes:
-            impls = calls(name, nbytes, comm, apis)
+            impls = calls(name, nbytes, comm, apis, args.torch)
             iters = max(20, min(2000, (16 << 20) // max(nbytes, 1)))
             for f in impls.values():  # warm-up
                 for _ in range(5):

@@ -204,6 +204,34 @@ def test_device_standin_and_defaults(capsys, checks):
     checks.done()
 
 
+def test_torch_tensors_checked(tmp_path, capsys, checks):
+    """--torch: mpidist's calls on torch CPU tensors (float32 and bfloat16), every result checked, named in the
+    header and the JSON; raw mpi4py on the same memory."""
+    pytest.importorskip("torch")
+    path = tmp_path / "bench.json"
+    cases = "all_reduce,broadcast,reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single,p2p_latency"
+    status, out, _ = run_main([*QUICK, "-e", "64", "--torch", "--check", "-d", "float32,bfloat16", "-c", cases,
+                               "--json", str(path)], capsys)  # fmt: skip
+    checks.equal("exit status", status, 0)
+    if dist.get_rank() == 0:
+        checks.true("header names torch tensors", "torch CPU tensors" in out)
+        checks.true("check summary", "# check: 0 wrong elements (all results correct)" in out)
+        doc = json.loads(path.read_text())
+        checks.equal("json device", doc["device"], "torch")
+        checks.true("rows for both dtypes", {r["dtype"] for r in doc["rows"]} >= {"float32", "bfloat16"})
+    checks.done()
+
+
+def test_torch_flag_and_another_device_conflict(capsys, checks):
+    with pytest.raises(SystemExit) as info:
+        main(["--torch", "--device", "standin"])
+    _, err = capsys.readouterr()
+    checks.equal("exit status", info.value.code, 2)
+    if dist.get_rank() == 0:
+        checks.true(f"names the conflict: {err!r}", "argument --torch: means --device torch" in err)
+    checks.done()
+
+
 def test_no_check_prints_na(capsys, checks):
     status, out, _ = run_main([*QUICK, "-e", "8", "-c", "broadcast"], capsys)
     checks.equal("exit status", status, 0)

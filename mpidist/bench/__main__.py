@@ -6,6 +6,7 @@
     mpiexec -n 8 mpidist-bench -d bfloat16 -o avg --check --json out.json --plot out.png
     mpiexec -n 2 mpidist-bench -c all_reduce -d float32,float16,bfloat16 -b 64K -e 64M -f 64   # dtypes side by side
     mpiexec -n 8 mpidist-bench --device cuda --backend nccl       # cupy arrays, one GPU per rank
+    mpiexec -n 2 python -m mpidist.bench --torch -c all_reduce -e 4K   # torch CPU tensors
 
 For each collective and size it prints the size S and count, then for mpidist and
 for raw mpi4py (the blocking call on a duplicate of COMM_WORLD, or with ``--raw
@@ -155,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help="init_process_group's backend (default mpi; unused if a group exists)")
     p.add_argument(
         "--device", choices=DEVICES, default="cpu",
-        help="cpu: numpy arrays (default); cuda: cupy arrays, one GPU per rank; "
+        help="cpu: numpy arrays (default); torch: torch CPU tensors; cuda: cupy arrays, one GPU per rank; "
         "standin: mpidist.testing.HostCudaArray (mpidist's device path on host memory, to test without a GPU)",
     )  # fmt: skip
+    p.add_argument("--torch", action="store_true", help="torch CPU tensors: the same as --device torch")
     p.add_argument("--check", action="store_true", help="verify each size once against numpy (nccl-tests' -c)")
     p.add_argument("--json", metavar="FILE", help="write every row to FILE (rank 0)")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png (rank 0; needs matplotlib)")
@@ -172,6 +174,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
     if args.stepfactor < 2:
         parser.error("argument -f/--stepfactor: must be at least 2 (the sizes would not grow)")
+    if args.torch:
+        if args.device not in ("cpu", "torch"):
+            parser.error(f"argument --torch: means --device torch, but --device {args.device} was given")
+        args.device = "torch"
     if args.plot:
         try:
             import matplotlib  # noqa: F401

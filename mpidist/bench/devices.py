@@ -1,4 +1,4 @@
-"""Where the benchmark's buffers live: numpy arrays, cupy arrays on a GPU, or the device stand-in.
+"""Where the benchmark's buffers live: numpy arrays, torch CPU tensors, cupy arrays on a GPU, or the device stand-in.
 
 Each kind is a small namespace with the same methods, so the cases never ask what
 kind of array they hold: ``empty`` allocates, ``clear``/``upload``/``download`` set
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEVICES", "HostArrays", "CupyArrays", "StandInArrays", "open_device"]
+__all__ = ["DEVICES", "HostArrays", "TorchArrays", "CupyArrays", "StandInArrays", "open_device"]
 
 #: the ``--device`` choices
-DEVICES = ("cpu", "cuda", "standin")
+DEVICES = ("cpu", "torch", "cuda", "standin")
 
 
 class HostArrays:
@@ -50,6 +50,44 @@ class HostArrays:
     def raw(self, a: Any) -> Any:
         """The buffer raw mpi4py gets: the array's bytes (mpi4py knows no bfloat16 buffer format)."""
         return a.view(np.uint8)
+
+
+class TorchArrays(HostArrays):
+    """torch CPU tensors (``--device torch``, ``--torch``): mpidist's calls get the tensors, raw mpi4py their memory.
+
+    Values are set and read through the tensors' numpy views (``arrays.host.host_view``,
+    which also covers bfloat16), so raw mpi4py runs on the same memory.
+    """
+
+    name = "torch"
+    describe = "torch CPU tensors (raw mpi4py on their memory)"
+
+    def __init__(self) -> None:
+        import torch
+
+        from ..arrays.host import _torch_dtypes, host_view
+
+        self._torch = torch
+        self._view = host_view
+        self._dtypes = {np.dtype(v): k for k, v in _torch_dtypes(torch).items()}
+
+    def empty(self, k: int, dtype: np.dtype) -> Any:
+        return self._torch.empty(k, dtype=self._dtypes[np.dtype(dtype)])
+
+    def upload(self, dst: Any, values: np.ndarray) -> None:
+        self._view(dst)[...] = values
+
+    def clear(self, a: Any) -> None:
+        a.zero_()
+
+    def download(self, a: Any) -> np.ndarray:
+        return np.array(self._view(a), copy=True)
+
+    def typed(self, a: Any) -> Any:
+        return self._view(a)
+
+    def raw(self, a: Any) -> Any:
+        return self._view(a).view(np.uint8)
 
 
 class StandInArrays(HostArrays):
@@ -163,6 +201,11 @@ def open_device(name: str, comm: Any) -> tuple[Any, str]:
     """
     if name == "cpu":
         return HostArrays(), ""
+    if name == "torch":
+        try:
+            return TorchArrays(), ""
+        except ImportError as exc:
+            return None, f"--device torch needs torch ({exc}): pip install torch"
     if name == "standin":
         try:
             return StandInArrays(), ""
