@@ -76,6 +76,9 @@ def _hash_is_kind() -> bool:
 
 #: ``opts.reduceOp.op.value`` costs 0.4 us (two pybind11 objects made); ``hash(opts.reduceOp)`` 0.1 us
 _HASH_IS_KIND = _hash_is_kind()
+#: mpidist's op by ``hash(opts.reduceOp)`` for the kinds that carry nothing else (not PREMUL_SUM), where
+#: the hash is the kind; empty otherwise (then every call takes :func:`_op`)
+_BY_HASH = {k: op for k, op in enumerate(_OPS) if op is not None and k != _PREMUL} if _HASH_IS_KIND else {}
 
 
 def _op(reduce_op: Any, fn: str) -> Any:
@@ -187,9 +190,14 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if type(opts) is not _AllreduceOptions:  # pg.allreduce(tensor[, op]): torch's convenience forms
             opts = _allreduce_options(opts)
         t = tensors[0] if type(tensors) is list and len(tensors) == 1 else _one(tensors, "allreduce")
+        reduce_op = opts.reduceOp
+        op = _BY_HASH.get(hash(reduce_op)) if type(reduce_op) is _ReduceOp else None  # the common case, inlined
         try:
             w = collectives.all_reduce(
-                t, _op(opts.reduceOp, "allreduce"), self._side if _get_ident() == engine.ident else self._main, opts.asyncOp
+                t,
+                _op(reduce_op, "allreduce") if op is None else op,
+                self._side if _get_ident() == engine.ident else self._main,
+                opts.asyncOp,
             )
         except TypeError:
             if getattr(t, "layout", None) is not torch.sparse_coo:
