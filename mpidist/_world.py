@@ -97,6 +97,7 @@ class World:
         # one at exit aborts the job instead of finalizing MPI (launch/abort.py); survives reset like unreleased
         self.timed_out: list[tuple[Any, str, int]] = []
         self.cuda_runtime_factory: Callable[[], Any] | None = None  # None: CudaRuntime.from_cupy (tests: a fake)
+        self.profiler: Any = None  # diagnose.profiler.ProfilerState: torch's profiler followed (made on first use)
         self._clear()
 
     def _clear(self) -> None:

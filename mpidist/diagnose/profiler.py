@@ -39,16 +39,39 @@ import sys
 import threading
 from typing import Any, Callable, Iterable
 
+from .._world import world
+
 __all__ = ["watch", "status", "register", "Record", "begin"]
 
 _get_ident = threading.get_ident
 
-#: (class, {method name: (event op name, inputs(args) -> iterable of arrays)}, label) of every watched class
-_WATCHED: list[tuple[type, dict[str, tuple[str, Callable[[tuple], Iterable[Any]]]], Callable[[Any], Any]]] = []
-_lock = threading.Lock()
-#: per thread: inside a recording method (a torch group's call runs mpidist's: one event, the outer one)
-_inside = threading.local()
-_state = {"installed": False, "active": False, "problem": ""}
+
+
+class ProfilerState:
+    """What this module keeps for the process's life (``world.profiler``; it survives ``destroy_process_group``)."""
+
+    def __init__(self) -> None:
+        #: (class, {method name: (event op name, inputs(args) -> arrays)}, label) of every watched class
+        self.watched: list[tuple[type, dict[str, tuple[str, Callable[[tuple], Iterable[Any]]]], Callable[[Any], Any]]]
+        self.watched = []
+        self.lock = threading.Lock()
+        #: per thread: inside a recording method (a torch group's call runs mpidist's: one event, the outer one)
+        self.inside = threading.local()
+        self.installed = False  # torch's start/stop functions are wrapped (or found missing)
+        self.active = False  # the recording methods are in place
+        self.problem = ""  # why nothing can be recorded
+        self.closer = _Closer()
+
+
+def _st() -> ProfilerState:
+    """The module's state on :data:`~mpidist._world.world` (made on first use)."""
+    state = world.profiler
+    if state is None:
+        with world.lock:
+            if world.profiler is None:
+                world.profiler = ProfilerState()
+            state = world.profiler
+    return state
 
 
 def _first(args: tuple) -> Iterable[Any]:
@@ -123,8 +146,6 @@ class _Closer:
                 done.release()
 
 
-_closer = _Closer()
-
 
 class Record:
     """One event in torch's profiler: begun at the call, ended (once) when the operation completes.
@@ -150,7 +171,7 @@ class Record:
         if _get_ident() != self._thread:
             ending.set_result(None)
         else:
-            _closer.end(ending)
+            _st().closer.end(ending)
 
 
 def _torch() -> Any:
@@ -198,18 +219,18 @@ def finish(record: Record, result: Any) -> Any:
 def _recording(original: Any, op: str, inputs: Callable[[tuple], Iterable[Any]], label: Callable[[Any], Any]) -> Any:
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        prefix = label(self)
-        if prefix is None or getattr(_inside, "busy", False):
+        prefix, inside = label(self), _st().inside
+        if prefix is None or getattr(inside, "busy", False):
             return original(self, *args, **kwargs)
         record = begin(f"{prefix}:{op}", inputs(args))
-        _inside.busy = True
+        inside.busy = True
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
             record.end()
             raise
         finally:
-            _inside.busy = False
+            inside.busy = False
         return finish(record, result)
 
     method.__mpidist_recording__ = original  # type: ignore[attr-defined]
@@ -224,11 +245,11 @@ def register(cls: type, methods: dict[str, tuple[str, Callable[[tuple], Iterable
              label: Callable[[Any], Any]) -> None:  # fmt: skip
     """Watch ``cls``: while a profiler runs, ``methods`` (name -> (event op name, inputs)) record events
     named ``f"{label(self)}:{op}"`` (``label`` returning None: no event)."""
-    with _lock:
-        if any(c is cls for c, _, _ in _WATCHED):
+    with _st().lock:
+        if any(c is cls for c, _, _ in _st().watched):
             return
-        _WATCHED.append((cls, methods, label))
-        if _state["active"]:
+        _st().watched.append((cls, methods, label))
+        if _st().active:
             _switch_class(cls, methods, label, True)
 
 
@@ -244,30 +265,30 @@ def _switch_class(cls: type, methods: dict, label: Callable[[Any], Any], on: boo
 
 
 def _switch(on: bool) -> None:
-    with _lock:
-        if _state["active"] == on:
+    with _st().lock:
+        if _st().active == on:
             return
-        _state["active"] = on
-        for cls, methods, label in _WATCHED:
+        _st().active = on
+        for cls, methods, label in _st().watched:
             _switch_class(cls, methods, label, on)
 
 
 def watch() -> str:
     """Follow torch's profiler (once torch is loaded; idempotent); return :func:`status`."""
-    if _state["installed"] or "torch" not in sys.modules:
+    if _st().installed or "torch" not in sys.modules:
         return status()
-    with _lock:
-        if _state["installed"]:
+    with _st().lock:
+        if _st().installed:
             return status()
         from ..process_group import ProcessGroup
 
-        _WATCHED.append((ProcessGroup, CORE_METHODS, _core_label))
+        _st().watched.append((ProcessGroup, CORE_METHODS, _core_label))
         import torch.autograd.profiler as prof
 
         start, stop = getattr(prof, "_run_on_profiler_start", None), getattr(prof, "_run_on_profiler_stop", None)
         if not callable(start) or not callable(stop) or not hasattr(prof, "_is_profiler_enabled"):
-            _state["problem"] = "torch.autograd.profiler has no _run_on_profiler_start/_stop"
-            _state["installed"] = True
+            _st().problem = "torch.autograd.profiler has no _run_on_profiler_start/_stop"
+            _st().installed = True
             return status()
 
         @functools.wraps(start)
@@ -283,7 +304,7 @@ def watch() -> str:
             return result
 
         prof._run_on_profiler_start, prof._run_on_profiler_stop = on_start, on_stop
-        _state["installed"] = True
+        _st().installed = True
         already = bool(prof._is_profiler_enabled)
     if already:  # a profiler was running before mpidist looked
         _switch(True)
@@ -292,8 +313,8 @@ def watch() -> str:
 
 def status() -> str:
     """Whether mpidist records in torch's profiler: "recording", "watching", "torch not loaded", or why not."""
-    if not _state["installed"]:
+    if not _st().installed:
         return "torch not loaded"
-    if _state["problem"]:
-        return f"not recording: {_state['problem']}"
-    return "recording" if _state["active"] else "watching"
+    if _st().problem:
+        return f"not recording: {_st().problem}"
+    return "recording" if _st().active else "watching"
