@@ -457,3 +457,39 @@ def run_plain_world(script: str, envs: list[dict[str, str]], args: list[list[str
         assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
         results.append(json.loads(lines[0][len("RESULT ") :]))
     return results
+
+
+def torch_groups_with_gloo(prefix: str, timeout: Any) -> Any:
+    """A generator for a module fixture: (torch's default group on "mpidist", a gloo group) over every process.
+
+    Started through a ``file://`` rendezvous in a directory rank 0 makes; destroyed, and the directory
+    removed, when the generator is closed. Skips when torch.distributed was left initialized.
+    """
+    import contextlib
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as tdist
+
+    @contextlib.contextmanager
+    def groups() -> Any:
+        if tdist.is_initialized():
+            pytest.skip("torch.distributed was initialized by another module")
+        torch.set_num_threads(1)  # the ranks share few cores
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        tmpdir = comm.bcast(tempfile.mkdtemp(prefix=prefix) if rank == 0 else None, root=0)
+        tdist.init_process_group("mpidist", init_method=f"file://{tmpdir}/rdv", rank=rank, world_size=size,
+                                 timeout=timeout)  # fmt: skip
+        gloo = tdist.new_group(backend="gloo", timeout=timeout)
+        try:
+            yield tdist.group.WORLD, gloo
+        finally:
+            tdist.destroy_process_group()
+            comm.barrier()
+            if rank == 0:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+    return groups()
+

@@ -14,8 +14,6 @@ loops collect problems and call ``fail_together``).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -27,7 +25,16 @@ from mpi4py import MPI
 
 import mpidist as dist
 
-from helpers import ALL_DTYPES, BF16, Maker, fail_together, rank_input, reference, to_numpy
+from helpers import (
+    ALL_DTYPES,
+    BF16,
+    Maker,
+    fail_together,
+    rank_input,
+    reference,
+    to_numpy,
+    torch_groups_with_gloo,
+)
 
 torch = pytest.importorskip("torch")
 tdist = pytest.importorskip("torch.distributed")
@@ -53,19 +60,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def pgs():
     """(mpidist torch group, gloo group): torch's default group runs on mpidist; gloo is a second group."""
-    if tdist.is_initialized():
-        pytest.skip("torch.distributed was initialized by another module")
-    torch.set_num_threads(1)  # the ranks share few cores
-    tmpdir = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpidist-tb-") if RANK == 0 else None, root=0)
-    tdist.init_process_group("mpidist", init_method=f"file://{tmpdir}/rdv", rank=RANK, world_size=SIZE, timeout=TIMEOUT)
-    gloo = tdist.new_group(backend="gloo", timeout=TIMEOUT)
-    try:
-        yield tdist.group.WORLD, gloo
-    finally:
-        tdist.destroy_process_group()
-        MPI.COMM_WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+    with torch_groups_with_gloo("mpidist-tb-", TIMEOUT) as groups:
+        yield groups
 
 
 @pytest.fixture

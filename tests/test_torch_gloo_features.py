@@ -7,8 +7,6 @@ over the same processes is the reference. Failures are decided on all ranks toge
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from datetime import timedelta
 
 import numpy as np
@@ -17,7 +15,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 
-from helpers import fail_together
+from helpers import fail_together, torch_groups_with_gloo
 
 torch = pytest.importorskip("torch")
 tdist = pytest.importorskip("torch.distributed")
@@ -36,19 +34,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def pgs():
     """(mpidist torch group, gloo group) over every process."""
-    if tdist.is_initialized():
-        pytest.skip("torch.distributed was initialized by another module")
-    torch.set_num_threads(1)
-    tmpdir = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpidist-tg-") if RANK == 0 else None, root=0)
-    tdist.init_process_group("mpidist", init_method=f"file://{tmpdir}/rdv", rank=RANK, world_size=SIZE, timeout=TIMEOUT)
-    gloo = tdist.new_group(backend="gloo", timeout=TIMEOUT)
-    try:
-        yield tdist.group.WORLD, gloo
-    finally:
-        tdist.destroy_process_group()
-        MPI.COMM_WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+    with torch_groups_with_gloo("mpidist-tg-", TIMEOUT) as groups:
+        yield groups
 
 
 # -- torch's profiler ---------------------------------------------------------------------------

@@ -27,9 +27,10 @@ import functools
 import sys
 from typing import Any
 
-import _mpidist_autoload as autoload
 import torch
 import torch.distributed as dist
+
+import _mpidist_autoload as autoload
 
 __all__ = ["install", "status", "MPI_NAME"]
 

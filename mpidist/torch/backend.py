@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, p2p
-from ..barriers import monitored_barrier as _monitored_barrier
 from .._world import world
+from ..barriers import monitored_barrier as _monitored_barrier
 from ..groups import new_group
 from ..init import destroy_process_group as _destroy
 from ..init import init_process_group as _init

@@ -21,9 +21,8 @@ import re
 import signal
 import time
 
-import pytest
-
 import hosts_support as hs
+import pytest
 
 LIBRARY = hs.mpi_library()
 LIBRARIES = ["mpich", "openmpi"]

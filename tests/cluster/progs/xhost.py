@@ -21,10 +21,9 @@ import socket
 import sys
 
 import numpy as np
-
-import mpidist as dist
 from probe import VARS, report  # this folder is the script's: sys.path[0]
 
+import mpidist as dist
 
 
 def _arg(argv: list[str], name: str, default: str | None) -> str | None:
