@@ -52,10 +52,24 @@ _HELPER = "_new_process_group_helper"
 
 
 def load() -> None:
-    """torch's entry point: :func:`install`, unless ``MPIDIST_TORCH_AUTOLOAD`` says no."""
+    """torch's entry point: :func:`install`, unless ``MPIDIST_TORCH_AUTOLOAD`` says no.
+
+    Never raises: torch turns an entry point's exception into a failed ``import torch``,
+    and no torch program may fail to start because of mpidist; a warning says what went wrong.
+    """
     if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return
-    install()
+    try:
+        install()
+    except Exception as exc:  # noqa: BLE001 - see above
+        import warnings
+
+        warnings.warn(
+            f"mpidist could not register its torch backends at import torch ({type(exc).__name__}: {exc}); "
+            f"`import mpidist.torch` installs them with the error shown, {SWITCH}=0 skips this step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def install() -> None:

@@ -85,6 +85,19 @@ def test_the_switch_leaves_torch_alone_and_import_mpidist_torch_still_installs(t
     assert found["after_import"] == ["mpidist", True, "installed"], found
 
 
+def test_a_failure_at_import_torch_is_a_warning_not_a_failed_import(monkeypatch):
+    """torch makes an entry point's exception a failed ``import torch``: mpidist's warns instead."""
+    import _mpidist_autoload
+
+    def broken() -> None:
+        raise RuntimeError("torch internals changed")
+
+    monkeypatch.setattr(_mpidist_autoload, "install", broken)
+    monkeypatch.delenv(_mpidist_autoload.SWITCH, raising=False)
+    with pytest.warns(RuntimeWarning, match=r"could not register .*RuntimeError: torch internals changed"):
+        _mpidist_autoload.load()
+
+
 def _lightning_job(backend: str, tmp_path: Path, *extra: str) -> list[dict]:
     out = tmp_path / "-".join((backend, *extra))
     out.mkdir()
