@@ -212,13 +212,14 @@ def test_rank0_starts_mpi_only_once_every_other_rank_reached_the_pmi_server():
 def test_pmi_server_leaves_when_rank0_is_gone():
     """The server is bounded by its job: started by a process that then dies (rank 0), with a client that
     never finalizes, it exits on its own (it used to wait for every client forever)."""
+    root = str(Path(pmi.__file__).resolve().parents[2])
     code = (
-        "import sys, time; sys.path[:0] = [%r]\n"
+        f"import sys, time; sys.path[:0] = [{root!r}]\n"
         "from mpidist.launch import pmi\n"
         "proc, address = pmi.start_server_process('127.0.0.1', 2, ['h', 'h'], timeout_s=30)\n"
         "print(proc.pid, address, flush=True)\n"
         "time.sleep(60)\n"
-    ) % str(Path(pmi.__file__).resolve().parents[2])
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     server_pid, address = parent.stdout.readline().split()
     clients = [_pmi_client(address) for _ in range(2)]
