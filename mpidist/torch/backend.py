@@ -39,6 +39,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+import _mpidist_autoload as autoload
+
 from .. import collectives, p2p
 from .._world import world
 from ..barriers import monitored_barrier as _monitored_barrier
@@ -52,7 +54,7 @@ from ._work import TorchWork
 
 __all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
 
-BACKEND_NAME = "mpidist"
+BACKEND_NAME = autoload.BACKEND_NAME  # "mpidist"
 
 _TorchRedOp = dist.ReduceOp.RedOpType
 #: torch's reduction kinds by number -> mpidist's (``foreign_op``, looked up once: it costs ~1.5 us on torch's
@@ -428,9 +430,7 @@ def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGr
 
 def register() -> None:
     """Register the ``"mpidist"`` backend with torch, and the rest of ``_mpidist_autoload.install`` (idempotent)."""
-    import _mpidist_autoload
-
-    _mpidist_autoload.install()
+    autoload.install()
 
 
 _profiler.watch(ProcessGroupMPIDist)  # torch's profiler events (no cost while none runs: see _profiler.py)
