@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 
+from _mpidist_autoload import ENV_NEEDED as NEEDED  # what torch's env:// handler needs
+
 from ..launch.boot import launch_mode
 from ..launch.environment import fill_environment
 
 __all__ = ["fill_if_launched", "NEEDED"]
-
-#: what torch's env:// handler needs
-NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def fill_if_launched() -> None:
