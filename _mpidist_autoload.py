@@ -173,7 +173,7 @@ def _with_real_store(helper: Callable[..., Any]) -> Callable[..., Any]:
         result = helper(*args, **kwargs)
         store = kwargs["store"] if "store" in kwargs else args[store_at] if len(args) > store_at else None
         c10d = sys.modules["torch.distributed.distributed_c10d"]
-        if type(store) is c10d.Store and isinstance(result, tuple) and type(result[0]).__name__ == "ProcessGroupMPIDist":
+        if type(store) is c10d.Store and isinstance(result, tuple) and getattr(result[0], "mpidist_backend", False):
             from mpidist.torch._store import give_real_store
 
             give_real_store(result[0])

@@ -134,6 +134,9 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     (its ``mpi_comm`` is the group's MPI communicator).
     """
 
+    #: marks torch groups that are mpidist's (for _mpidist_autoload, which does not import this module)
+    mpidist_backend = True
+
     def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool, default: bool = False) -> None:
         super().__init__(main.rank(), main.size())
         self._main = main
