@@ -45,25 +45,20 @@ def calls(kind: str, count: int, comm: MPI.Comm) -> dict[str, Callable[[], Any]]
     a, gathered, scattered_in, scattered_out = make(count), make(count * n), make(count * n), make(count)
     a2a_in, a2a_out, msg = make(count * n), make(count * n), make(count)
 
-    def ping_pong() -> None:
-        if rank == 0:
-            dist.send(msg, 1)
-            dist.recv(msg, 1)
-        elif rank == 1:
-            dist.recv(msg, 0)
-            dist.send(msg, 0)
+    def ping_pong(send: Callable[[Any, int], Any], recv: Callable[[Any, int], Any]) -> Callable[[], None]:
+        """Rank 0 sends ``msg`` to rank 1 and gets it back; other ranks do nothing."""
+
+        def exchange() -> None:
+            if rank < 2 and n > 1:
+                first, second = (send, recv) if rank == 0 else (recv, send)
+                first(msg, 1 - rank)
+                second(msg, 1 - rank)
+
+        return exchange
 
     if kind == "raw":
         sum_ = MPI.SUM
-
-        def raw_ping_pong() -> None:
-            if rank == 0:
-                comm.Send(msg, 1)
-                comm.Recv(msg, 1)
-            elif rank == 1:
-                comm.Recv(msg, 0)
-                comm.Send(msg, 0)
-
+        raw_ping_pong = ping_pong(comm.Send, comm.Recv)
         return {
             "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, a, sum_),
             "broadcast": lambda: comm.Bcast(a, 0),
@@ -80,7 +75,7 @@ def calls(kind: str, count: int, comm: MPI.Comm) -> dict[str, Callable[[], Any]]
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, a),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(scattered_out, scattered_in),
         "all_to_all_single": lambda: dist.all_to_all_single(a2a_out, a2a_in),
-        "send/recv": ping_pong,
+        "send/recv": ping_pong(dist.send, dist.recv),
     }
 
 
