@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,8 +128,40 @@ def mpiexec(python: Path, use_env: bool = True) -> tuple[list[str], dict[str, st
     return cmd, env
 
 
+#: what a failed run's output shows of its failures, ANSI colours removed: pytest's summary lines
+#: (FAILED/ERROR ...), the "E   " lines of its tracebacks, and any crash or timeout the launcher reports
+FAILURE_LINE = re.compile(r"^(FAILED |ERROR |E   |\+{3,} Timeout|Fatal Python error|.*(?:BAD TERMINATION|EXIT CODE:|exited on signal))")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: lines of failures kept per run, so that CI's tail shows the whole summary
+FAILURE_LINES_KEPT = 40
+
+
+def call_teed(cmd: list[str], timeout_s: float, **kw) -> tuple[int, list[str]]:
+    """Run ``cmd`` with its output passed through to ours; return (exit code, its failure lines).
+
+    The failure lines are repeated in the summary: a CI log keeps only its tail, and the run that
+    failed may be far above it. A run past ``timeout_s`` is killed (exit code 124).
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    deadline = time.monotonic() + timeout_s
+    failures: list[str] = []
+    killer = threading.Timer(timeout_s, proc.kill)
+    killer.start()
+    try:
+        for raw in proc.stdout:
+            sys.stdout.buffer.write(raw)
+            sys.stdout.flush()
+            line = ANSI.sub("", raw.decode(errors="replace")).rstrip()
+            if FAILURE_LINE.match(line) and line not in failures:
+                failures.append(line)
+        rc = proc.wait()
+    finally:
+        killer.cancel()
+    return (124 if time.monotonic() >= deadline else rc), failures
+
+
 def run_tests(python: Path, args: list[str], sizes: list[int], label: str = "", use_env: bool = True) -> list[tuple]:
-    """Run the suite under mpiexec at each world size; return (label, size, exit code, seconds) for each."""
+    """Run the suite under mpiexec at each world size; return (label, size, exit code, seconds, failures)."""
     launcher, extra_env = mpiexec(python, use_env)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", **extra_env)
     results = []
@@ -135,11 +169,8 @@ def run_tests(python: Path, args: list[str], sizes: list[int], label: str = "", 
         start = time.monotonic()
         cmd = launcher + ["-n", str(n), str(python), "-m", "pytest", "--with-mpi", "-q", *args]
         say(f"{label}world size {n}: " + " ".join(cmd))
-        try:
-            rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=SIZE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = 124
-        results.append((label, n, rc, time.monotonic() - start))
+        rc, failures = call_teed(cmd, SIZE_TIMEOUT_S, cwd=ROOT, env=env)
+        results.append((label, n, rc, time.monotonic() - start, failures))
     return results
 
 
@@ -156,17 +187,21 @@ def run_cluster_tests(python: Path, label: str = "") -> list[tuple]:
     start = time.monotonic()
     cmd = [str(python), "-m", "pytest", "-q", "-rs", "tests/cluster"]
     say(f"{label}cluster tests: " + " ".join(cmd))
-    try:
-        rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=CLUSTER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        rc = 124
-    return [(label, "cluster", rc, time.monotonic() - start)]
+    rc, failures = call_teed(cmd, CLUSTER_TIMEOUT_S, cwd=ROOT, env=env)
+    return [(label, "cluster", rc, time.monotonic() - start, failures)]
 
 
 def summary(results: list[tuple]) -> int:
-    """Print one line per run and the total time; return the worst exit code."""
+    """Print the failures of each failed run, one line per run and the total time; return the worst exit code."""
+    for label, n, rc, _secs, failures in results:
+        if rc:
+            say(f"failures of {label}{'tests/cluster' if n == 'cluster' else f'mpiexec -n {n}'} (exit {rc}):")
+            for line in failures[:FAILURE_LINES_KEPT]:
+                print(f"    {line}", flush=True)
+            if len(failures) > FAILURE_LINES_KEPT:
+                print(f"    ... and {len(failures) - FAILURE_LINES_KEPT} more lines", flush=True)
     say("summary:")
-    for label, n, rc, secs in results:
+    for label, n, rc, secs, _failures in results:
         what = "tests/cluster (srun, several hosts)" if n == "cluster" else f"mpiexec -n {n}"
         say(f"  {label}{what}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
     say(f"  total: {sum(r[3] for r in results):.0f} s")
