@@ -9,9 +9,11 @@
     python3 dev.py test --mpi mpich [ARGS]     # one MPI library only (or --mpi openmpi)
     python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, the mpidist.bench
                                    # sweep (every collective, 8 B to 4 MiB, checked), then the torch backend
+    python3 dev.py docs [ARGS]     # the documentation site (mkdocs.yml: docs/ + the API reference from the
+                                   # docstrings) into site/, warnings as errors
     python3 dev.py run-tests       # the suite with the current interpreter (used by tox)
 
-Extra ARGS go to pytest (test) or the benchmark script (bench). Environment:
+Extra ARGS go to pytest (test), the benchmark script (bench) or `mkdocs build` (docs). Environment:
 MPIDIST_TEST_SIZES="1 2" picks the world sizes (of both libraries), MPIDIST_OPENMPI_TEST_SIZES
 those of Open MPI alone; MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too); MPIDIST_TEST_MPI=mpich|openmpi|both is --mpi's default; MPIEXEC
 names another launcher (run-tests, and test with one --mpi).
@@ -260,6 +262,11 @@ def main(argv: list[str]) -> int:
         rc = rc or run(launcher + ["-n", "2", python, "-m", "mpidist.bench", *BENCH_SWEEP], cwd=ROOT, env=env)
         torch_bench = [python, ROOT / "benchmarks" / "bench_torch_backend.py"]
         return rc or run(launcher + ["-n", "2", *torch_bench], cwd=ROOT, env=env)
+    if cmd == "docs":
+        python = setup("mpich,docs")
+        # mkdocs.yml sets strict: a warning (a broken link, a docstring argument the signature lacks) fails
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about its successor
+        return run([python, "-m", "mkdocs", "build", "--strict", "--site-dir", ROOT / "site", *args], cwd=ROOT, env=env)
     print(__doc__)
     return 0 if cmd in ("help", "-h", "--help") else 2
 

@@ -1,7 +1,9 @@
-"""docs/design.md's layer table lists every module of the package, and nothing that is not there."""
+"""docs/design.md's layer table lists every module of the package, and nothing that is not there;
+the site (mkdocs.yml) lists every page of docs/ and its API reference every public name."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -43,3 +45,34 @@ def test_every_module_is_in_the_layer_table_and_every_entry_exists():
     stale = sorted(listed - modules)
     assert not missing, f"modules missing from docs/design.md's layer table: {missing}"
     assert not stale, f"docs/design.md's layer table names modules that do not exist: {stale}"
+
+
+def _nav_pages() -> list[str]:
+    """The pages mkdocs.yml's nav names (read as text: the file holds a tag that safe YAML loaders refuse)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = re.search(r"^nav:\n(.*?)^\S", text, re.S | re.M)
+    assert nav, "mkdocs.yml has no nav"
+    return re.findall(r"^\s+- (?:.*: )?([\w./-]+\.md)\s*$", nav.group(1), re.M)
+
+
+def test_the_site_nav_lists_every_page_of_docs_once():
+    pages = sorted(str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md"))
+    listed = _nav_pages()
+    assert sorted(listed) == sorted(set(listed)), f"mkdocs.yml's nav names a page twice: {listed}"
+    assert sorted(listed) == pages, (
+        f"mkdocs.yml's nav and docs/ differ: not in the nav {sorted(set(pages) - set(listed))}, "
+        f"not in docs/ {sorted(set(listed) - set(pages))}"
+    )
+
+
+def test_the_api_reference_has_every_public_name():
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    exported = next(
+        node.value for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+    )
+    public = {ast.literal_eval(elt) for elt in exported.elts} - {"__version__"}
+    reference = "".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
+    documented = set(re.findall(r"^::: mpidist\.(\w+)$", reference, re.M))
+    assert not public - documented, f"docs/reference/ has no '::: mpidist.NAME' for {sorted(public - documented)}"
+    assert not documented - public, f"docs/reference/ documents names mpidist does not export: {sorted(documented - public)}"
