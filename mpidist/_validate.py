@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["int_arg", "bool_arg", "timeout_seconds", "timeout_arg", "env_flag", "TRUE_WORDS", "FALSE_WORDS"]
+__all__ = [
+    "int_arg", "bool_arg", "timeout_seconds", "timeout_arg", "env_flag", "TRUE_WORDS", "FALSE_WORDS",
+    "C_EXTENSIONS_FLAG", "c_extension_refused",
+]  # fmt: skip
 
 #: the words an environment flag may take (any case, surrounding blanks ignored); unset or empty: the default
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -96,3 +99,20 @@ def env_flag(*names: str, default: bool | None = False) -> bool | None:
             f"{'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}"
         )
     return default
+
+
+#: the variable that turns every C extension of mpidist off (``=0``): the pure-Python paths run instead
+C_EXTENSIONS_FLAG = "MPIDIST_C_EXTENSIONS"
+
+
+def c_extension_refused(flag: str | None = None) -> str:
+    """Why a C extension must not be used ('' if it may): ``MPIDIST_C_EXTENSIONS=0``, or its own ``flag`` off.
+
+    ``MPIDIST_C_EXTENSIONS=0`` turns off all of them (``arrays/_ready.c``, ``backends/_direct.c``,
+    ``backends/_halfops.c``), whatever their own flags say, so one variable tests the Python fallback.
+    """
+    if not env_flag(C_EXTENSIONS_FLAG, default=True):
+        return f"{C_EXTENSIONS_FLAG} is off"
+    if flag is not None and not env_flag(flag, default=True):
+        return f"{flag} is off"
+    return ""

@@ -138,10 +138,37 @@ def broadcast(
 ) -> Work | None:
     """Send ``tensor`` from rank ``src`` to every rank of the group (in place).
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: On ``src``, the data to send; on the other ranks, the array that
+            receives it (the same size and dtype). A numpy array, a torch tensor or
+            a GPU array; C-contiguous arrays go to MPI without a copy.
+        src: The sending rank, as a global rank. Give ``src`` or ``group_src``.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
 
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``src``,
+            ``group_src``, ``group`` or ``async_op`` has the wrong type.
+        ValueError: neither or both of ``src`` and ``group_src`` are given, or the
+            receiving ``tensor`` is read-only.
+        RankNotInGroupError: ``src`` is not a member of ``group``, or ``group_src``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
         >>> x = np.arange(3.0) if dist.get_rank() == 0 else np.zeros(3)
-        >>> dist.broadcast(x, src=0)        # x == [0., 1., 2.] everywhere
+        >>> dist.broadcast(x, src=0)
+        >>> x
+        array([0., 1., 2.])  # rank 0 and rank 1
     """
     fn = "broadcast"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -169,10 +196,45 @@ def broadcast(
 def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place; every rank gets the identical result.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: Each rank's input, overwritten with the result. A numpy array, a
+            torch tensor or a GPU array of the same size and dtype on every rank;
+            C-contiguous arrays go to MPI without a copy.
+        op: How to combine: a ``ReduceOp`` (``SUM``, ``AVG``, ``PRODUCT``, ``MIN``,
+            ``MAX``, ``BAND``, ``BOR``, ``BXOR``), torch's ``ReduceOp``, or an op
+            from ``make_premul_sum``. ``AVG`` truncates integers, as NCCL does;
+            bool arrays reduce logically.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
 
-        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()   # [1, 2] and [3, 4]
-        >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)      # x == [4, 6] everywhere
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, ``op`` is not a
+            reduction, or ``group`` or ``async_op`` has the wrong type.
+        ValueError: ``op`` is not defined for the dtype (a bitwise op on floats,
+            ``MIN`` on complex numbers), or ``tensor`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
+        >>> x
+        array([1, 2])  # rank 0
+        array([3, 4])  # rank 1
+        >>> dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        >>> x
+        array([4, 6])  # rank 0 and rank 1
+        >>> work = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+        >>> work.wait()
+        True
+        >>> x
+        array([4, 6])  # rank 0 and rank 1
     """
     if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, "all_reduce", "async_op")
@@ -197,6 +259,42 @@ def reduce(
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only.
 
     Other ranks' ``tensor`` is left unchanged.
+
+    Args:
+        tensor: Each rank's input; on ``dst`` it is overwritten with the result.
+            The same size and dtype on every rank.
+        dst: The rank that gets the result, as a global rank. Give ``dst`` or
+            ``group_dst``.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+        group_dst: The rank that gets the result as a rank of ``group``, instead
+            of ``dst``.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, ``op`` is not a
+            reduction, or a rank, ``group`` or ``async_op`` has the wrong type.
+        ValueError: neither or both of ``dst`` and ``group_dst`` are given, ``op``
+            is not defined for the dtype, or ``tensor`` is read-only on ``dst``.
+        RankNotInGroupError: ``dst`` is not a member of ``group``, or ``group_dst``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
+        >>> dist.reduce(x, dst=0)
+        >>> x
+        array([4, 6])  # rank 0
+        array([3, 4])  # rank 1 (unchanged)
     """
     fn = "reduce"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -227,6 +325,36 @@ def all_gather(
 
     The arrays may differ in size from rank to rank: ``tensor_list[i]`` must have
     rank ``i``'s size. They are written in place, without an intermediate buffer.
+
+    Args:
+        tensor_list: One output array per rank of the group, of ``tensor``'s dtype;
+            ``tensor_list[i]`` receives rank ``i``'s ``tensor``.
+        tensor: This rank's input.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor_list`` is not a list of arrays, an array has an
+            unsupported dtype or a dtype other than ``tensor``'s, or ``group`` or
+            ``async_op`` has the wrong type.
+        ValueError: ``tensor_list`` does not have one array per rank, this rank's
+            own slot differs in size from ``tensor``, or an output is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
+        >>> out = [np.zeros(2, np.int64) for _ in range(dist.get_world_size())]
+        >>> dist.all_gather(out, x)
+        >>> out
+        [array([1, 2]), array([3, 4])]  # rank 0 and rank 1
     """
     fn = "all_gather"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -251,12 +379,42 @@ def all_gather_into_tensor(
 
     ``output_tensor`` has ``world_size`` times the input's elements: the inputs
     concatenated (shape ``(world_size * n, ...)``) or stacked (``(world_size, n, ...)``).
+    ``all_gather_single`` is another name for it.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        output_tensor: The output, on every rank: the inputs in rank order, either
+            concatenated along the first dimension or stacked, flat arrays of the
+            right size too.
+        input_tensor: This rank's input; the same size and dtype on every rank.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
 
-        >>> out = np.zeros(4, np.int64)
-        >>> dist.all_gather_into_tensor(out, np.arange(2) + 1 + 2 * dist.get_rank())
-        >>> out                                   # [1, 2, 3, 4] on both ranks
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the two
+            dtypes differ, or ``group`` or ``async_op`` has the wrong type.
+        ValueError: ``output_tensor`` does not have ``world_size`` times the input's
+            elements or has another shape than the two above, or is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
+        >>> out = np.zeros(2 * dist.get_world_size(), np.int64)
+        >>> dist.all_gather_into_tensor(out, x)
+        >>> out
+        array([1, 2, 3, 4])  # rank 0 and rank 1
+        >>> stacked = np.zeros((dist.get_world_size(), 2), np.int64)
+        >>> dist.all_gather_into_tensor(stacked, x)
+        >>> stacked
+        array([[1, 2],
+               [3, 4]])  # rank 0 and rank 1
     """
     fn = "all_gather_into_tensor"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -279,6 +437,7 @@ def all_gather_into_tensor(
 
 
 all_gather_single = all_gather_into_tensor
+"""Another name for :func:`all_gather_into_tensor` (torch's ``_all_gather_base``, Lightning's name)."""
 
 
 def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, *tensor: Any) -> Exception:
@@ -335,6 +494,42 @@ def gather(
     """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default: global rank 0).
 
     ``gather_list`` is required on ``dst`` and must be None (or empty) elsewhere.
+
+    Args:
+        tensor: This rank's input. Ranks may send different sizes.
+        gather_list: On ``dst``, one output array per rank of the group, of
+            ``tensor``'s dtype: ``gather_list[i]`` receives rank ``i``'s ``tensor``.
+            None (or empty) on the other ranks.
+        dst: The rank that gathers, as a global rank; None means global rank 0.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+        group_dst: The rank that gathers as a rank of ``group``, instead of ``dst``.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an array has an unsupported dtype or a dtype other than
+            ``tensor``'s, ``gather_list`` is not a list, or a rank, ``group`` or
+            ``async_op`` has the wrong type.
+        ValueError: ``gather_list`` is missing on ``dst``, given elsewhere, does
+            not have one array per rank, or ``dst``'s own slot differs in size from
+            its ``tensor``; both ``dst`` and ``group_dst`` are given.
+        RankNotInGroupError: ``dst`` is not a member of ``group``, or ``group_dst``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
+        >>> out = [np.zeros(2, np.int64) for _ in range(2)] if dist.get_rank() == 0 else None
+        >>> dist.gather(x, out, dst=0)
+        >>> out
+        [array([1, 2]), array([3, 4])]  # rank 0 (rank 1: None)
     """
     fn = "gather"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -362,6 +557,44 @@ def scatter(
     """Send ``scatter_list[i]`` from rank ``src`` (default: global rank 0) into rank ``i``'s ``tensor``.
 
     ``scatter_list`` is required on ``src`` and must be None (or empty) elsewhere.
+
+    Args:
+        tensor: The output: this rank's part.
+        scatter_list: On ``src``, one array per rank of the group, of ``tensor``'s
+            dtype; ``scatter_list[i]`` goes to rank ``i``. None (or empty) on the
+            other ranks.
+        src: The sending rank, as a global rank; None means global rank 0.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an array has an unsupported dtype or a dtype other than
+            ``tensor``'s, ``scatter_list`` is not a list, or a rank, ``group`` or
+            ``async_op`` has the wrong type.
+        ValueError: ``scatter_list`` is missing on ``src``, given elsewhere, does
+            not have one array per rank, or ``src``'s own part differs in size from
+            its ``tensor``; ``tensor`` is read-only; both ``src`` and ``group_src``
+            are given.
+        RankNotInGroupError: ``src`` is not a member of ``group``, or ``group_src``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> x = np.zeros(2, np.int64)
+        >>> parts = [np.array([1, 2]), np.array([3, 4])] if dist.get_rank() == 0 else None
+        >>> dist.scatter(x, parts, src=0)
+        >>> x
+        array([1, 2])  # rank 0
+        array([3, 4])  # rank 1
     """
     fn = "scatter"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -382,7 +615,43 @@ def scatter(
 def reduce_scatter(
     output: Any, input_list: list[Any], op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
-    """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``."""
+    """Reduce ``input_list[i]`` across ranks and deliver the result to rank ``i``'s ``output``.
+
+    Args:
+        output: The output: the reduction of every rank's ``input_list[rank]``.
+        input_list: One input array per rank of the group, of ``output``'s dtype;
+            ``input_list[i]`` has rank ``i``'s output size.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an array has an unsupported dtype or a dtype other than
+            ``output``'s, ``input_list`` is not a list, ``op`` is not a reduction,
+            or ``group`` or ``async_op`` has the wrong type.
+        ValueError: ``input_list`` does not have one array per rank, this rank's
+            own entry differs in size from ``output``, ``op`` is not defined for the
+            dtype, or ``output`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> inputs = [np.array([1, 2]) + 10 * r, np.array([3, 4]) + 10 * r]
+        >>> out = np.zeros(2, np.int64)
+        >>> dist.reduce_scatter(out, inputs)
+        >>> out
+        array([12, 14])  # rank 0: [1, 2] + [11, 12]
+        array([16, 18])  # rank 1: [3, 4] + [13, 14]
+    """
     fn = "reduce_scatter"
     if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
@@ -405,11 +674,41 @@ def reduce_scatter_tensor(
     """Reduce ``input`` across ranks; rank ``i`` gets block ``i`` of the result in ``output``.
 
     ``input`` has ``world_size`` times the output's elements (concatenated or stacked blocks).
+    ``reduce_scatter_single`` is another name for it.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        output: The output: this rank's block of the reduction.
+        input: This rank's input, ``world_size`` blocks shaped like ``output``,
+            concatenated along the first dimension or stacked (flat arrays of the
+            right size too); the same dtype as ``output``.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
 
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the two
+            dtypes differ, ``op`` is not a reduction, or ``group`` or ``async_op``
+            has the wrong type.
+        ValueError: ``input`` does not have ``world_size`` times the output's
+            elements or has another shape than the two above, ``op`` is not
+            defined for the dtype, or ``output`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
         >>> out = np.zeros(2, np.int64)
-        >>> dist.reduce_scatter_tensor(out, np.arange(4))   # [0, 2] on rank 0, [4, 6] on rank 1
+        >>> dist.reduce_scatter_tensor(out, np.arange(4))
+        >>> out
+        array([0, 2])  # rank 0
+        array([4, 6])  # rank 1
     """
     fn = "reduce_scatter_tensor"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -432,6 +731,7 @@ def reduce_scatter_tensor(
 
 
 reduce_scatter_single = reduce_scatter_tensor
+"""Another name for :func:`reduce_scatter_tensor` (torch's ``_reduce_scatter_base``)."""
 
 
 _ANY_SIZE = -(1 << 63)  # split sizes are checked for negatives after conversion, with their own message
@@ -512,6 +812,52 @@ def all_to_all_single(
     Without split sizes the rows split evenly; with them, ``input_split_sizes[i]``
     rows go to rank ``i`` and ``output_split_sizes[i]`` rows come from it. Rows
     may have any trailing shape (the same for input and output).
+
+    Args:
+        output: The output: the blocks received, in rank order.
+        input: This rank's input, of ``output``'s dtype and row shape.
+        output_split_sizes: Rows received from each rank (one int per rank), or
+            None (or empty) for an even split of ``output``.
+        input_split_sizes: Rows sent to each rank (one int per rank), or None (or
+            empty) for an even split of ``input``.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the two
+            dtypes differ, a split size is not an int, or ``group`` or
+            ``async_op`` has the wrong type.
+        ValueError: the arrays have no rows or rows of different shapes, a list of
+            split sizes does not have one entry per rank, has a negative entry or
+            does not sum to the array's rows, rows do not split evenly when no
+            sizes are given, or ``output`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Sizes that disagree between ranks (rank 0 sends 2 rows to rank 1, which
+    expects 3) are not caught at the default debug level; ``MPIDIST_DEBUG=DETAIL``
+    catches them.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> out = np.empty(4, np.int64)
+        >>> dist.all_to_all_single(out, np.arange(4) + 4 * r)
+        >>> out
+        array([0, 1, 4, 5])  # rank 0
+        array([2, 3, 6, 7])  # rank 1
+        >>> splits = [1, 2] if r == 0 else [2, 1]
+        >>> out = np.empty(3, np.int64)
+        >>> dist.all_to_all_single(out, np.arange(3) + 10 * r, splits, splits)
+        >>> out
+        array([ 0, 10, 11])  # rank 0
+        array([ 1,  2, 12])  # rank 1
     """
     fn = "all_to_all_single"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -542,6 +888,41 @@ def all_to_all(
     """Send ``input_tensor_list[i]`` to rank ``i``; receive rank ``i``'s array into ``output_tensor_list[i]``.
 
     Arrays may have any (uneven) sizes as long as each pair of ranks agrees.
+
+    Args:
+        output_tensor_list: One output array per rank of the group;
+            ``output_tensor_list[i]`` receives what rank ``i`` sends to this rank.
+        input_tensor_list: One input array per rank of the group;
+            ``input_tensor_list[i]`` goes to rank ``i``. All arrays of both lists
+            have one dtype.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: a list is not a list of arrays, an array has an unsupported
+            dtype or another dtype than the rest, or ``group`` or ``async_op`` has
+            the wrong type.
+        ValueError: a list does not have one array per rank, the array this rank
+            sends to itself differs in size from the one it receives it into, or
+            an output is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> inputs = [np.array([10 * r]), np.array([10 * r + 1])]
+        >>> outputs = [np.zeros(1, np.int64), np.zeros(1, np.int64)]
+        >>> dist.all_to_all(outputs, inputs)
+        >>> outputs
+        [array([0]), array([10])]  # rank 0
+        [array([1]), array([11])]  # rank 1
     """
     fn = "all_to_all"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -573,6 +954,31 @@ def barrier(
     ``timeout`` (timedelta or seconds) overrides the group's timeout for this call;
     with ``async_op=True`` it bounds a ``Work.wait()`` given no timeout of its own.
     ``device_ids`` is accepted for torch compatibility.
+
+    Args:
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+        device_ids: Accepted for torch compatibility (a list of ints) and unused.
+        timeout: This call's timeout, a ``datetime.timedelta`` or seconds; None
+            means the group's.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``device_ids`` is not a list, ``timeout`` is neither a
+            timedelta nor a number, or ``group`` or ``async_op`` has the wrong type.
+        ValueError: ``timeout`` is negative or NaN.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: some rank did not enter the barrier within the timeout
+            (the message names them), or MPI failed. With ``async_op=True``,
+            ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> dist.barrier()
+        >>> dist.barrier(timeout=10)  # DistBackendError if a rank is not there within 10 s
     """
     fn = "barrier"
     if async_op is not False and async_op is not True:  # checked before anything is posted
@@ -618,7 +1024,38 @@ def _pack(arrays: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
 def all_reduce_coalesced(
     tensors: list[Any], op: Any = SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
-    """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer)."""
+    """All-reduce several arrays of one dtype with a single MPI call (packed into one buffer).
+
+    Args:
+        tensors: The arrays, each overwritten with its reduction; one dtype, the
+            same sizes on every rank. Device arrays are copied through the host.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensors`` is not a list of arrays, the arrays' dtypes differ
+            or are unsupported, ``op`` is not a reduction, or ``group`` or
+            ``async_op`` has the wrong type.
+        ValueError: ``tensors`` is empty, ``op`` is not defined for the dtype, or
+            an array is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> a, b = np.ones(2), np.full(3, float(dist.get_rank()))
+        >>> dist.all_reduce_coalesced([a, b])
+        >>> a, b
+        (array([2., 2.]), array([1., 1., 1.]))  # rank 0 and rank 1
+    """
     fn = "all_reduce_coalesced"
     if async_op is not False and async_op is not True:  # checked before anything is posted
         async_op = bool_arg(async_op, fn, "async_op")
@@ -650,6 +1087,39 @@ def all_gather_coalesced(
     """Gather several arrays of one dtype with a single MPI call.
 
     ``output_tensor_lists[r][i]`` receives rank ``r``'s ``input_tensor_list[i]``.
+
+    Args:
+        output_tensor_lists: One list per rank of the group, each with one output
+            array per input array, of the input's size and dtype.
+        input_tensor_list: This rank's arrays, of one dtype; the same sizes on
+            every rank.
+        group: The group to work on; None is the default group. On ranks outside it
+            the call does nothing and returns None.
+        async_op: True returns a ``Work`` at once; False (the default) returns when
+            the call has completed.
+
+    Returns:
+        A ``Work`` if ``async_op`` is True, else None; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: a list is not a list of arrays, or an array's dtype differs
+            from the others or is unsupported; ``group`` or ``async_op`` has the
+            wrong type.
+        ValueError: ``output_tensor_lists`` does not have one list per rank, a
+            list has another length than ``input_tensor_list``, an output has
+            another size or dtype than its input, or an output is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout (the
+            message names the ranks that have not arrived), or MPI failed. With
+            ``async_op=True``, ``Work.wait()`` raises it instead.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> inputs = [np.array([r]), np.array([10 * r, 10 * r])]
+        >>> outputs = [[np.zeros(1, np.int64), np.zeros(2, np.int64)] for _ in range(2)]
+        >>> dist.all_gather_coalesced(outputs, inputs)
+        >>> outputs
+        [[array([0]), array([0, 0])], [array([1]), array([10, 10])]]  # rank 0 and rank 1
     """
     fn = "all_gather_coalesced"
     if async_op is not False and async_op is not True:  # checked before anything is posted

@@ -5,10 +5,17 @@ the others call it from C. Every hot collective must give both the numpy
 reference and the bits the mpi4py path gives, blocking and async; whatever the C
 calls do not take must reach mpi4py with the same arguments; MPI errors must
 surface as mpi4py's.
+
+The C path is required only where it was built (installing without a compiler is
+valid) or where ``MPIDIST_REQUIRE_C=1`` says it must be; ``MPIDIST_C_EXTENSIONS=0``
+turns every C extension off, and this module (like the rest of the suite) must
+pass that way too, both groups then calling mpi4py.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 import sys
 
 import numpy as np
@@ -16,11 +23,14 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._validate import env_flag
+from mpidist._validate import C_EXTENSIONS_FLAG, c_extension_refused, env_flag
+from mpidist.arrays import host as _arrays
+from mpidist.backends import direct, halfops
 from mpidist.backends.direct import MPI4pyCalls, direct_status, make_calls
+from mpidist.backends.halfops import halfops_status
 from mpidist.testing import mpi4py_calls, mpi_calls
 
-from helpers import ALL_DTYPES, Checks, kind, rank_input, reference
+from helpers import ALL_DTYPES, Checks, clean_env, kind, rank_input, reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,12 +48,40 @@ def two_groups():
     dist.destroy_process_group(through)
 
 
+def _built(module: str) -> bool:
+    """Whether the C extension ``module`` (a name under mpidist) was built: installing without a compiler is valid."""
+    return importlib.util.find_spec(f"mpidist.{module}") is not None
+
+
 def test_calls_go_straight_to_mpi_where_the_module_is_built():
-    """On Linux (the CI machines) the C module must build and bind to MPICH and Open MPI alike."""
-    if sys.platform != "linux" or not env_flag("MPIDIST_DIRECT_MPI", default=True):
-        pytest.skip("direct MPI calls are only required on Linux with MPIDIST_DIRECT_MPI unset")
+    """Where the C module was built (or MPIDIST_REQUIRE_C=1 says it must be), it binds to MPICH and Open MPI alike."""
+    required = env_flag("MPIDIST_REQUIRE_C")
+    if c_extension_refused("MPIDIST_DIRECT_MPI"):
+        pytest.skip(f"direct MPI calls are off: {c_extension_refused('MPIDIST_DIRECT_MPI')}")
+    if not (required or _built("backends._direct")):
+        pytest.skip("mpidist.backends._direct was not built (no C compiler at install): mpi4py's calls serve")
     assert direct_status() == "direct"
     assert mpi_calls() == "direct"
+
+
+def test_the_c_extensions_switch_turns_every_one_off(monkeypatch):
+    """MPIDIST_C_EXTENSIONS=0 runs the pure-Python paths only; with MPIDIST_REQUIRE_C=1 all three must be built."""
+    if env_flag("MPIDIST_REQUIRE_C"):
+        for module in ("arrays._ready", "backends._direct", "backends._halfops"):
+            assert _built(module), f"MPIDIST_REQUIRE_C=1 but mpidist.{module} was not built"
+    if not env_flag(C_EXTENSIONS_FLAG, default=True):  # the CI pass without C: nothing of it in use
+        assert _arrays._ready is None and _arrays.prepare_input is _arrays.IN_PYTHON[0]
+        assert direct_status() == f"mpi4py ({C_EXTENSIONS_FLAG} is off)"
+        assert halfops_status() == f"off ({C_EXTENSIONS_FLAG} is off)"
+        return
+    monkeypatch.setenv(C_EXTENSIONS_FLAG, "0")
+    monkeypatch.setenv("MPIDIST_DIRECT_MPI", "1")  # the general switch wins over each module's own
+    assert direct._bind().module is None and halfops._make().ops == {}
+    if dist.get_rank() == 0:  # the array layer decides at import: a fresh interpreter (no MPI in it)
+        code = "import mpidist.arrays.host as h; print(h._ready is None and h.prepare_input is h.IN_PYTHON[0])"
+        out = subprocess.run([sys.executable, "-c", code], env=clean_env(**{C_EXTENSIONS_FLAG: "0"}),
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.stdout.strip() == "True", out.stderr
 
 
 def test_the_two_groups_use_the_two_paths(two_groups):
@@ -213,9 +251,9 @@ def test_what_the_c_calls_do_not_take_goes_to_mpi4py_unchanged():
 
 
 def test_a_direct_object_needs_a_rank_of_its_group():
+    _direct_over(MPI.COMM_SELF, Spy())  # skips where the C calls are not in use (first: _direct may not exist)
     from mpidist.backends import _direct
 
-    _direct_over(MPI.COMM_SELF, Spy())
     for rank, size in ((1, 1), (-1, 2), (0, 0)):
         with pytest.raises(ValueError, match="0 <= rank < size"):
             _direct.Direct(MPI.COMM_SELF.handle, rank, size, Spy())

@@ -30,6 +30,11 @@
  * they are disjoint); anything else goes to host.byte_spans.
  *
  * The rules are host.py's; tests/test_arrays.py checks that both give the same answers.
+ *
+ * Only public contracts: numpy arrays through numpy's C API (PyArray_* after import_array), torch
+ * tensors through torch's Python-level members. The module keeps process-wide state (what `bind`
+ * gave), so it uses single-phase initialization and declares that it needs the GIL on
+ * free-threaded Python (3.13+).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,8 +45,7 @@
 enum { INPUT, OUTPUT, INOUT, PAIR, OVERLAP, SPANS, KINDS };
 
 static struct {
-    PyTypeObject *ndarray; /* numpy.ndarray */
-    PyObject *dtypes;      /* arrays.dtypes.DTYPES: the supported dtypes (dict keys) */
+    PyObject *dtypes;      /* arrays.dtypes.DTYPES: the supported dtypes (dict keys); NULL before bind */
     PyObject *slow[KINDS]; /* the Python functions */
     PyTypeObject *tensor;  /* torch.Tensor, after bind_torch */
     PyTypeObject *param;   /* torch.nn.Parameter */
@@ -65,11 +69,10 @@ static PyObject *member(PyObject *x, int which) {
 
 /* 1 if `x` goes to MPI as it is; 0 if not (or before bind) */
 static int ready(PyObject *x, int writeable) {
-    if (S.ndarray == NULL || Py_TYPE(x) != S.ndarray) return 0;
-    PyArrayObject_fields *a = (PyArrayObject_fields *)x;
-    int need = NPY_ARRAY_C_CONTIGUOUS | (writeable ? NPY_ARRAY_WRITEABLE : 0);
-    if ((a->flags & need) != need) return 0;
-    int known = PyDict_Contains(S.dtypes, (PyObject *)a->descr);
+    if (S.dtypes == NULL || !PyArray_CheckExact(x)) return 0;
+    PyArrayObject *a = (PyArrayObject *)x;
+    if (!PyArray_CHKFLAGS(a, NPY_ARRAY_C_CONTIGUOUS | (writeable ? NPY_ARRAY_WRITEABLE : 0))) return 0;
+    int known = PyDict_Contains(S.dtypes, (PyObject *)PyArray_DESCR(a));
     if (known < 0) {
         PyErr_Clear();
         return 0;
@@ -250,7 +253,7 @@ static PyObject *byte_spans(PyObject *m, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (Py_TYPE(items[i]) != S.ndarray || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)items[i]))
+        if (!PyArray_CheckExact(items[i]) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)items[i]))
             return slow(SPANS, args, (size_t)nargs, kwnames);
     }
     Span *spans = PyMem_Malloc(sizeof(Span) * (size_t)(n ? n : 1));
@@ -291,8 +294,8 @@ fail:
 }
 
 static PyObject *bind(PyObject *m, PyObject *args) {
-    PyObject *ndarray, *dtypes, *fns[KINDS];
-    if (!PyArg_ParseTuple(args, "O!O!OOOOOO:bind", &PyType_Type, &ndarray, &PyDict_Type, &dtypes, &fns[INPUT],
+    PyObject *dtypes, *fns[KINDS];
+    if (!PyArg_ParseTuple(args, "O!OOOOOO:bind", &PyDict_Type, &dtypes, &fns[INPUT],
                           &fns[OUTPUT], &fns[INOUT], &fns[PAIR], &fns[OVERLAP], &fns[SPANS]))
         return NULL;
     for (int k = 0; k < KINDS; k++) {
@@ -307,8 +310,6 @@ static PyObject *bind(PyObject *m, PyObject *args) {
     }
     Py_INCREF(dtypes);
     Py_XSETREF(S.dtypes, dtypes);
-    Py_INCREF(ndarray);
-    Py_XSETREF(S.ndarray, (PyTypeObject *)ndarray);
     Py_RETURN_NONE;
 }
 
@@ -357,7 +358,7 @@ static PyObject *view_of_tensor(PyObject *m, PyObject *x) {
 #define FAST(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL | METH_KEYWORDS, doc}
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
-     "bind(ndarray, DTYPES, prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)"},
+     "bind(DTYPES, prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)"},
     {"bind_torch", bind_torch, METH_VARARGS,
      "bind_torch(torch.Tensor, torch.nn.Parameter, {torch dtype: numpy dtype})"},
     {"tensor_view", view_of_tensor, METH_O, "the numpy view of a plain CPU tensor made here, or None (for tests)"},
@@ -374,5 +375,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ready", "The array 
 
 PyMODINIT_FUNC PyInit__ready(void) {
     import_array(); /* numpy's C API: the item size of any dtype (numpy 1.x and 2.x lay it out differently) */
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+#ifdef Py_GIL_DISABLED
+    if (m != NULL) PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED); /* free-threaded Python: S assumes the GIL */
+#endif
+    return m;
 }

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
+from .._validate import c_extension_refused
 from .._world import world
 from .device import DLPACK_CPU, DLPACK_CUDA, DeviceArray, from_cuda_interface, from_dlpack, from_torch_cuda
 from .dtypes import BFLOAT16, DTYPES, TYPESTR, DtypeInfo, describe, dtype_info
@@ -588,17 +589,20 @@ def _checks_in_c() -> tuple[Callable[..., Any], ...] | None:
     """
     if _ready is None:
         return None
-    _ready.bind(ndarray, DTYPES, *IN_PYTHON)
+    _ready.bind(DTYPES, *IN_PYTHON)
     return (
         _ready.prepare_input, _ready.prepare_output, _ready.prepare_inout, _ready.prepare_pair, _ready.may_overlap,
         _ready.byte_spans,
     )  # fmt: skip
 
 
-try:
-    from . import _ready
-except ImportError:  # not built (no C compiler at install): the Python functions do it all
+if c_extension_refused():  # MPIDIST_C_EXTENSIONS=0: the Python functions do it all
     _ready = None
+else:
+    try:
+        from . import _ready
+    except ImportError:  # not built (no C compiler at install): the Python functions do it all
+        _ready = None
 
 #: the Python functions; where the C module exists it hands them what it does not take (tests compare the two)
 IN_PYTHON = (prepare_input, prepare_output, prepare_inout, prepare_pair, may_overlap, byte_spans)

@@ -14,12 +14,22 @@
  *
  * An MPI error raises `mpi4py.MPI.Exception(code)`, as mpi4py does.
  *
- * No MPI header is needed: the MPI functions are the ones mpi4py's extension
- * module is linked with (dlsym on it), and handles are read from mpi4py's objects
- * (their documented layout in mpi4py/MPI.h: PyObject_HEAD, then the handle). Two
- * handle ABIs exist: int handles (MPICH and its derivatives) and pointer handles
- * (Open MPI, the MPI-5 standard ABI). `bind` says which, and direct.py checks the
- * result against mpi4py before any group uses it.
+ * Only public contracts are used, and no MPI header is needed:
+ *
+ * - the MPI functions are the ones mpi4py's extension module is linked with (dlsym on it);
+ * - MPI handles come from mpi4py's C API: PyMPIDatatype_Get and PyMPIOp_Get, the capsules of
+ *   `mpi4py.MPI.__pyx_capi__` (what mpi4py's own include/mpi4py/pycapi.h imports, checked by their
+ *   signatures), and the communicator's integer `Comm.handle`. The capsules rather than integer
+ *   handles resolved once per datatype and op in the type table: the calls keep taking mpi4py's
+ *   objects, so whatever they hand to mpi4py (the fallback) gets the very arguments it was given,
+ *   and mpi4py itself says where an object's handle is (one indirect call, a few ns). Two handle
+ *   ABIs exist: int handles (MPICH and its derivatives) and pointer handles (Open MPI, the MPI-5
+ *   standard ABI); `bind` says which, and direct.py checks the result against mpi4py's `.handle`
+ *   before any group uses it;
+ * - arrays through numpy's C API (PyArray_* after import_array).
+ *
+ * The module keeps process-wide state (the bound library), so it uses single-phase initialization
+ * and declares that it needs the GIL on free-threaded Python (3.13+).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,7 +38,8 @@
 #include <stdint.h>
 #include <string.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include <numpy/ndarraytypes.h>
+#define NPY_TARGET_VERSION NPY_1_23_API_VERSION /* the oldest numpy mpidist supports (pyproject.toml) */
+#include <numpy/arrayobject.h>
 
 typedef void *fn_t; /* a function found by dlsym (POSIX: converts to a function pointer) */
 
@@ -43,10 +54,11 @@ static struct {
     int int_handles;        /* 1: MPI handles are ints (MPICH ABI); 0: pointers */
     void *in_place;         /* MPI_IN_PLACE */
     fn_t fn[FN_COUNT];
-    PyTypeObject *ndarray;  /* numpy.ndarray */
     PyTypeObject *datatype; /* mpi4py.MPI.Datatype */
     PyTypeObject *op;       /* mpi4py.MPI.Op */
     PyObject *error;        /* mpi4py.MPI.Exception */
+    void *(*datatype_get)(PyObject *); /* mpi4py's PyMPIDatatype_Get: the MPI_Datatype inside a Datatype */
+    void *(*op_get)(PyObject *);       /* mpi4py's PyMPIOp_Get: the MPI_Op inside an Op */
 } S;
 
 typedef Py_intptr_t H; /* a handle of either ABI, widened */
@@ -102,30 +114,30 @@ typedef struct {
     PyObject *fallback;
 } Direct;
 
-/* the handle inside an mpi4py object of type `type`, or 0 if `o` is not one */
-static int handle_of(PyObject *o, PyTypeObject *type, H *h) {
+/* the handle of an mpi4py object of type `type` (mpi4py.MPI.Datatype or Op), as `get` (mpi4py's
+ * PyMPIDatatype_Get or PyMPIOp_Get) gives it; 0 if `o` is not one */
+static int handle_of(PyObject *o, PyTypeObject *type, void *(*get)(PyObject *), H *h) {
     if (!PyObject_TypeCheck(o, type)) return 0;
-    char *p = (char *)o + sizeof(PyObject);
+    void *p = get(o); /* a pointer to the MPI_Datatype/MPI_Op: an int or a pointer, as bind said */
+    if (p == NULL) {  /* only on a type mismatch, excluded above */
+        PyErr_Clear();
+        return 0;
+    }
     *h = S.int_handles ? (H)(*(int *)p) : (H)(*(void **)p);
     return 1;
 }
 
+#define DATATYPE(o, h) handle_of(o, S.datatype, S.datatype_get, h)
+#define OP(o, h) handle_of(o, S.op, S.op_get, h)
+
 /* a C-contiguous numpy array whose element count fits an int: its data and count */
 static int array_of(PyObject *o, int writeable, void **data, int *count) {
-    if (!PyObject_TypeCheck(o, S.ndarray)) return 0;
-    PyArrayObject_fields *a = (PyArrayObject_fields *)o;
-    if (!(a->flags & NPY_ARRAY_C_CONTIGUOUS) || (writeable && !(a->flags & NPY_ARRAY_WRITEABLE))) return 0;
-    npy_intp n = 1;
-    for (int i = 0; i < a->nd; i++) {
-        npy_intp d = a->dimensions[i];
-        if (d == 0) {
-            n = 0;
-            break;
-        }
-        if (d > INT_MAX / n) return 0; /* past an int count (MPI-4's large-count calls: through mpi4py) */
-        n *= d;
-    }
-    *data = a->data;
+    if (!PyArray_Check(o)) return 0;
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || (writeable && !PyArray_ISWRITEABLE(a))) return 0;
+    npy_intp n = PyArray_SIZE(a); /* numpy keeps it within npy_intp */
+    if (n > INT_MAX) return 0;    /* past an int count (MPI-4's large-count calls: through mpi4py) */
+    *data = PyArray_DATA(a);
     *count = (int)n;
     return 1;
 }
@@ -188,8 +200,8 @@ static PyObject *direct_allreduce(Direct *self, PyObject *const *args, Py_ssize_
     void *b;
     int n, spins;
     H dt, op;
-    if (nargs != 4 || !array_of(args[0], 1, &b, &n) || !handle_of(args[1], S.datatype, &dt) ||
-        !handle_of(args[2], S.op, &op) || !small_int(args[3], &spins))
+    if (nargs != 4 || !array_of(args[0], 1, &b, &n) || !DATATYPE(args[1], &dt) ||
+        !OP(args[2], &op) || !small_int(args[3], &spins))
         return fallback(self, "allreduce", args, nargs);
     RUN(CALL(reduction, FN_IALLREDUCE, S.in_place, b, n, dt, op, self->comm, &req))
 }
@@ -199,7 +211,7 @@ static PyObject *direct_reduce(Direct *self, PyObject *const *args, Py_ssize_t n
     void *b;
     int n, root, spins;
     H dt, op;
-    if (nargs != 5 || !handle_of(args[1], S.datatype, &dt) || !handle_of(args[2], S.op, &op) ||
+    if (nargs != 5 || !DATATYPE(args[1], &dt) || !OP(args[2], &op) ||
         !small_int(args[3], &root) || !small_int(args[4], &spins))
         return fallback(self, "reduce", args, nargs);
     int at_root = root == self->rank;
@@ -213,7 +225,7 @@ static PyObject *direct_bcast(Direct *self, PyObject *const *args, Py_ssize_t na
     void *b;
     int n, root, spins;
     H dt;
-    if (nargs != 4 || !array_of(args[0], 0, &b, &n) || !handle_of(args[1], S.datatype, &dt) ||
+    if (nargs != 4 || !array_of(args[0], 0, &b, &n) || !DATATYPE(args[1], &dt) ||
         !small_int(args[2], &root) || !small_int(args[3], &spins))
         return fallback(self, "bcast", args, nargs);
     RUN(CALL(bcast, b, n, dt, root, self->comm, &req))
@@ -224,7 +236,7 @@ static PyObject *direct_allgather(Direct *self, PyObject *const *args, Py_ssize_
     void *o, *i;
     int on, in, spins;
     H dt;
-    if (nargs != 4 || !array_of(args[0], 1, &o, &on) || !handle_of(args[2], S.datatype, &dt) ||
+    if (nargs != 4 || !array_of(args[0], 1, &o, &on) || !DATATYPE(args[2], &dt) ||
         !small_int(args[3], &spins))
         return fallback(self, "allgather", args, nargs);
     if (args[1] == Py_None) {
@@ -243,7 +255,7 @@ static PyObject *direct_alltoall(Direct *self, PyObject *const *args, Py_ssize_t
     int on, in, spins;
     H dt;
     if (nargs != 4 || !array_of(args[0], 1, &o, &on) || !array_of(args[1], 0, &i, &in) ||
-        !handle_of(args[2], S.datatype, &dt) || !small_int(args[3], &spins))
+        !DATATYPE(args[2], &dt) || !small_int(args[3], &spins))
         return fallback(self, "alltoall", args, nargs);
     int sblock = in / self->size, rblock = on / self->size;
     RUN(CALL(exchange, FN_IALLTOALL, i, sblock, o, rblock, dt, self->comm, &req))
@@ -255,7 +267,7 @@ static PyObject *direct_reduce_scatter_block(Direct *self, PyObject *const *args
     int on, in, spins;
     H dt, op;
     if (nargs != 5 || !array_of(args[0], 1, &o, &on) || !array_of(args[1], 0, &i, &in) ||
-        !handle_of(args[2], S.datatype, &dt) || !handle_of(args[3], S.op, &op) || !small_int(args[4], &spins))
+        !DATATYPE(args[2], &dt) || !OP(args[3], &op) || !small_int(args[4], &spins))
         return fallback(self, "reduce_scatter_block", args, nargs);
     RUN(CALL(reduction, FN_IRSB, i, o, on, dt, op, self->comm, &req))
 }
@@ -310,17 +322,32 @@ static PyTypeObject DirectType = {
     .tp_methods = direct_methods,
 };
 
-/* bind(library, int_handles, in_place, ndarray, Datatype, Op, Exception): find the MPI functions in
- * `library` (a path: mpi4py's MPI extension module, whose dependencies include libmpi). Returns None,
- * or raises OSError naming the function it could not find. */
+/* the C function `name` of mpi4py's C API from its capsule in `capi` (mpi4py.MPI.__pyx_capi__), checked
+ * against its C signature, as mpi4py's include/mpi4py/pycapi.h imports it; NULL with OSError if absent */
+static void *capi_function(PyObject *capi, const char *name, const char *signature) {
+    PyObject *capsule = PyDict_GetItemString(capi, name); /* borrowed */
+    if (capsule == NULL || !PyCapsule_IsValid(capsule, signature)) {
+        PyErr_Format(PyExc_OSError, "bind: mpi4py's C API has no %s of signature %s", name, signature);
+        return NULL;
+    }
+    return PyCapsule_GetPointer(capsule, signature);
+}
+
+/* bind(library, int_handles, in_place, Datatype, Op, Exception, capi): find the MPI functions in
+ * `library` (a path: mpi4py's MPI extension module, whose dependencies include libmpi) and mpi4py's
+ * handle getters in `capi` (mpi4py.MPI.__pyx_capi__). Returns None, or raises OSError naming the
+ * function it could not find. */
 static PyObject *bind(PyObject *mod, PyObject *args) {
     const char *library;
     int int_handles;
     unsigned long long in_place;
-    PyObject *ndarray, *datatype, *op, *error;
-    if (!PyArg_ParseTuple(args, "spKO!O!O!O:bind", &library, &int_handles, &in_place, &PyType_Type, &ndarray,
-                          &PyType_Type, &datatype, &PyType_Type, &op, &error))
+    PyObject *datatype, *op, *error, *capi;
+    if (!PyArg_ParseTuple(args, "spKO!O!OO!:bind", &library, &int_handles, &in_place, &PyType_Type, &datatype,
+                          &PyType_Type, &op, &error, &PyDict_Type, &capi))
         return NULL;
+    void *datatype_get = capi_function(capi, "PyMPIDatatype_Get", "MPI_Datatype *(PyObject *)");
+    void *op_get = datatype_get ? capi_function(capi, "PyMPIOp_Get", "MPI_Op *(PyObject *)") : NULL;
+    if (op_get == NULL) return NULL;
     void *lib = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
     if (lib == NULL) return PyErr_Format(PyExc_OSError, "bind: %s is not loaded", library);
     fn_t fn[FN_COUNT];
@@ -331,11 +358,11 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     memcpy(S.fn, fn, sizeof fn);
     S.int_handles = int_handles;
     S.in_place = (void *)(uintptr_t)in_place;
-    Py_INCREF(ndarray);
+    S.datatype_get = (void *(*)(PyObject *))datatype_get;
+    S.op_get = (void *(*)(PyObject *))op_get;
     Py_INCREF(datatype);
     Py_INCREF(op);
     Py_INCREF(error);
-    Py_XSETREF(S.ndarray, (PyTypeObject *)ndarray);
     Py_XSETREF(S.datatype, (PyTypeObject *)datatype);
     Py_XSETREF(S.op, (PyTypeObject *)op);
     Py_XSETREF(S.error, error);
@@ -343,34 +370,36 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* handle(obj, type): the handle bind's layout reads from an mpi4py object (direct.py checks it) */
-static PyObject *handle(PyObject *mod, PyObject *args) {
-    PyObject *o, *type;
+/* handle(obj): the handle of an mpi4py Datatype or Op as the calls read it (direct.py checks it) */
+static PyObject *handle(PyObject *mod, PyObject *o) {
     H h;
-    if (!PyArg_ParseTuple(args, "OO!:handle", &o, &PyType_Type, &type)) return NULL;
     if (!S.bound) {
         PyErr_SetString(PyExc_RuntimeError, "handle: bind() the MPI library first");
         return NULL;
     }
-    if (!handle_of(o, (PyTypeObject *)type, &h)) {
-        PyErr_SetString(PyExc_TypeError, "handle: obj is not of that type");
+    if (!DATATYPE(o, &h) && !OP(o, &h)) {
+        PyErr_SetString(PyExc_TypeError, "handle: obj is neither an mpi4py.MPI.Datatype nor an mpi4py.MPI.Op");
         return NULL;
     }
     return PyLong_FromSize_t((size_t)h);
 }
 
 static PyMethodDef module_methods[] = {
-    {"bind", bind, METH_VARARGS, "bind(library, int_handles, in_place, ndarray, Datatype, Op, Exception)"},
-    {"handle", handle, METH_VARARGS, "handle(obj, type): the MPI handle read from an mpi4py object"},
+    {"bind", bind, METH_VARARGS, "bind(library, int_handles, in_place, Datatype, Op, Exception, capi)"},
+    {"handle", handle, METH_O, "handle(obj): the MPI handle of an mpi4py Datatype or Op, as the calls read it"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_direct", "Direct MPI calls of the MPI backend's hot collectives.",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__direct(void) {
+    import_array(); /* numpy's C API (returns NULL if numpy cannot be imported) */
     if (PyType_Ready(&DirectType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+#ifdef Py_GIL_DISABLED
+    PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED); /* free-threaded Python: S and the calls assume the GIL */
+#endif
     Py_INCREF(&DirectType);
     if (PyModule_AddObject(m, "Direct", (PyObject *)&DirectType) < 0) {
         Py_DECREF(&DirectType);

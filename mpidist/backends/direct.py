@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._validate import env_flag
+from .._validate import c_extension_refused
 from .._world import world
 
 __all__ = ["MPI4pyCalls", "DirectState", "make_calls", "bind", "direct_status", "calls_kind"]
@@ -125,8 +125,9 @@ def calls_kind(calls: Any) -> str:
 
 
 def _bind() -> DirectState:
-    if not env_flag("MPIDIST_DIRECT_MPI", default=True):
-        return DirectState(None, "MPIDIST_DIRECT_MPI is off")
+    refused = c_extension_refused("MPIDIST_DIRECT_MPI")
+    if refused:
+        return DirectState(None, refused)
     try:
         from . import _direct
     except ImportError as exc:
@@ -134,15 +135,18 @@ def _bind() -> DirectState:
     size = getattr(MPI, "_sizeof", None)
     if size is None or size(MPI.Comm) not in (4, 8) or size(MPI.Request) != size(MPI.Comm):
         return DirectState(None, "this mpi4py does not say the size of MPI handles")
+    capi = getattr(MPI, "__pyx_capi__", None)  # mpi4py's C API: the handle getters (see _direct.c)
+    if not isinstance(capi, dict):
+        return DirectState(None, "this mpi4py does not export its C API (mpi4py.MPI.__pyx_capi__)")
     try:
         _direct.bind(
             MPI.__file__,
             size(MPI.Comm) == 4,
             int(IN_PLACE) % (1 << 64),
-            np.ndarray,
             MPI.Datatype,
             MPI.Op,
             MPI.Exception,
+            capi,
         )
     except OSError as exc:
         return DirectState(None, str(exc))
@@ -152,9 +156,9 @@ def _bind() -> DirectState:
 
 def _self_check(module: Any) -> str:
     """Compare the C calls with mpi4py on COMM_SELF; return what differs ('' if nothing)."""
-    for obj, kind in ((MPI.FLOAT, MPI.Datatype), (MPI.INT64_T, MPI.Datatype), (MPI.SUM, MPI.Op), (MPI.MAX, MPI.Op)):
-        if module.handle(obj, kind) != obj.handle:
-            return f"mpi4py's objects hold their handles elsewhere than this module reads them ({obj})"
+    for obj in (MPI.FLOAT, MPI.INT64_T, MPI.SUM, MPI.MAX):
+        if module.handle(obj) != obj.handle:
+            return f"mpi4py's C API gives another handle than {obj}.handle"
     comm = MPI.COMM_SELF
     calls = module.Direct(comm.handle, 0, 1, MPI4pyCalls(comm))
     a = np.array([3, -2, 7], np.int64)

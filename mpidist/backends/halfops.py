@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._validate import env_flag
+from .._validate import c_extension_refused
 from ..arrays.dtypes import BFLOAT16
 from ..reduce_op import Prim
 
@@ -102,8 +102,9 @@ def _decide() -> _State:
 
 
 def _make() -> _State:
-    if not env_flag("MPIDIST_HALF_OPS", default=True):
-        return _State({}, "MPIDIST_HALF_OPS is off")
+    refused = c_extension_refused("MPIDIST_HALF_OPS")
+    if refused:
+        return _State({}, refused)
     try:
         from . import _halfops
     except ImportError as exc:
