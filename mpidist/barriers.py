@@ -66,7 +66,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
 
 def _names(pg: ProcessGroup, ranks: list[int]) -> str:
     text = ", ".join(str(r) for r in ranks)
-    if not pg._identity:
+    if not pg.is_identity():
         text += f" (global {', '.join(str(pg.ranks[r]) for r in ranks)})"
     return text
 

@@ -9,12 +9,20 @@ one backend call. ``async_op=True`` returns a :class:`~mpidist.work.Work` whose
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
 
-from ._validate import bool_arg, int_arg, timeout_seconds
+from ._args import (
+    all_to_all_counts,
+    check_block_shapes,
+    check_dtype,
+    check_own_size,
+    gathered_size_error,
+    same_dtype,
+    scattered_size_error,
+)
+from ._validate import bool_arg, timeout_seconds
 from ._world import world
 from .arrays.host import (
     DTYPES,
@@ -27,8 +35,7 @@ from .arrays.host import (
     prepare_output_list,
     prepare_pair,
 )
-from .errors import RankNotInGroupError
-from .process_group import ProcessGroup, absent, rank_int, resolve_group
+from .process_group import ProcessGroup, absent, resolve_group
 from .reduce_op import ReduceOp, check_op
 from .work import Work
 
@@ -52,81 +59,6 @@ __all__ = [
 ]
 
 SUM = ReduceOp.SUM
-
-
-def root_rank(
-    pg: ProcessGroup, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
-) -> int:
-    """Return the group rank named by a global rank or a group rank (exactly one of them)."""
-    if group_rank is None and type(global_rank) is int:  # the common case: one lookup in the group's table
-        r = pg._group_of.get(global_rank)
-        if r is not None:
-            return r
-    if group_rank is not None:
-        if global_rank is not None:
-            raise ValueError(f"{fn}: pass either {names[0]} (global rank) or {names[1]} (group rank), not both")
-        r = rank_int(group_rank, fn, names[1])
-        if not 0 <= r < pg.size():
-            raise RankNotInGroupError(f"{fn}: {names[1]}={r} is out of range for a group of size {pg.size()}")
-        return r
-    if global_rank is None:
-        if default is None:
-            raise ValueError(f"{fn}: {names[0]} (a global rank) or {names[1]} (a group rank) is required")
-        global_rank = default
-    return pg.group_rank(global_rank, fn, names[0])
-
-
-def _same_dtype(fn: str, ref: np.ndarray, ref_name: str, arrays: Sequence[np.ndarray], name: str) -> None:
-    dtype = ref.dtype
-    for i, a in enumerate(arrays):
-        if a.dtype is not dtype and a.dtype != dtype:  # builtin dtypes are singletons: identity first
-            raise TypeError(
-                f"{fn}: {name}[{i}] is {a.dtype.name} but {ref_name} is {ref.dtype.name}; dtypes must match"
-            )
-
-
-def check_dtype(fn: str, a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
-    """Raise unless the dtypes are equal (callers test identity first: builtin dtypes are singletons)."""
-    if a.dtype != b.dtype:
-        raise TypeError(f"{fn}: {a_name} is {a.dtype.name} but {b_name} is {b.dtype.name}; dtypes must match")
-
-
-def gathered_size_error(fn: str, out: Any, inp: Any, n: int) -> ValueError:
-    """The error of an all-gather whose ``output_tensor`` is not ``n`` times ``input_tensor``."""
-    return ValueError(
-        f"{fn}: output_tensor has {out.size} elements but must have world_size * "
-        f"input_tensor.size = {n} * {inp.size} = {n * inp.size}"
-    )
-
-
-def scattered_size_error(fn: str, out: Any, inp: Any, n: int) -> ValueError:
-    """The error of a reduce-scatter whose ``input`` is not ``n`` times ``output``."""
-    return ValueError(
-        f"{fn}: input has {inp.size} elements but must have world_size * output.size = "
-        f"{n} * {out.size} = {n * out.size}"
-    )
-
-
-def check_block_shapes(fn: str, whole: Any, part: Any, n: int, whole_name: str, part_name: str) -> None:
-    """Refuse a ``whole`` (of ``n`` times ``part``'s elements) that is not ``n`` arrays shaped like ``part``
-    concatenated along the first dimension or stacked: torch's two forms of all_gather_into_tensor's
-    output and reduce_scatter_tensor's input. Flat arrays of the right sizes pass without a check here."""
-    ws, ps = tuple(whole.shape), tuple(part.shape)
-    if ws == (n, *ps) or (ps and len(ws) == len(ps) and ws[0] == n * ps[0] and ws[1:] == ps[1:]):
-        return
-    concatenated = f" {(n * ps[0], *ps[1:])} (concatenated) or" if ps else ""
-    raise ValueError(
-        f"{fn}: {whole_name} has shape {ws}; for {part_name} of shape {ps} on {n} ranks it must be"
-        f"{concatenated} {(n, *ps)} (stacked)"
-    )
-
-
-def _check_own_size(fn: str, mine: np.ndarray, name: str, rank: int, local: np.ndarray, local_name: str) -> None:
-    if mine.size != local.size:
-        raise ValueError(
-            f"{fn}: {name}[{rank}] (this rank's slot) has {mine.size} elements but {local_name} has "
-            f"{local.size}; they must match"
-        )
 
 
 def broadcast(
@@ -176,17 +108,14 @@ def broadcast(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    # root_rank's first lookup, written out (broadcast and reduce are latency-critical): the group's table
-    root = pg._group_of.get(src) if group_src is None and type(src) is int else None
-    if root is None:
-        root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    if pg._rank == root:
+    root = pg.root_rank(src, group_src, fn, ("src", "group_src"))
+    if pg.rank() == root:
         buf, target = prepare_input(tensor, fn, "tensor"), None
     else:
         try:
             buf, target = prepare_output(tensor, fn, "tensor")
         except (TypeError, ValueError) as exc:
-            raise _failed_in_role(pg, fn, exc, tensor)  # noqa: B904 - exc itself
+            raise pg.failed_in_role(fn, exc, tensor)  # noqa: B904 - exc itself
     w = pg.broadcast(buf, None if target is None else [(buf, target)], root, async_op)
     if w is not None:
         w._outputs = [tensor]
@@ -302,14 +231,12 @@ def reduce(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = pg._group_of.get(dst) if group_dst is None and type(dst) is int else None  # as in broadcast
-    if root is None:
-        root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
-    if pg._rank == root:
+    root = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"))
+    if pg.rank() == root:
         try:
             buf, target = prepare_inout(tensor, fn, "tensor")
         except (TypeError, ValueError) as exc:
-            raise _failed_in_role(pg, fn, exc, tensor)  # noqa: B904 - exc itself
+            raise pg.failed_in_role(fn, exc, tensor)  # noqa: B904 - exc itself
     else:
         buf, target = prepare_input(tensor, fn, "tensor"), None
     w = pg.reduce(buf, None if target is None else [(buf, target)], op, root, async_op)
@@ -363,9 +290,9 @@ def all_gather(
     if pg is None:
         return absent(group, fn)
     inp = prepare_input(tensor, fn, "tensor")
-    outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", pg._size)
-    _same_dtype(fn, inp, "tensor", outs, "tensor_list")
-    _check_own_size(fn, outs[pg._rank], "tensor_list", pg._rank, inp, "tensor")
+    outs, backs = prepare_output_list(tensor_list, fn, "tensor_list", pg.size())
+    same_dtype(fn, inp, "tensor", outs, "tensor_list")
+    check_own_size(fn, outs[pg.rank()], "tensor_list", pg.rank(), inp, "tensor")
     w = pg.all_gather(outs, backs or None, inp, async_op)
     if w is not None:
         w._outputs = list(tensor_list)
@@ -423,7 +350,7 @@ def all_gather_into_tensor(
     if pg is None:
         return absent(group, fn)
     out, target, inp = prepare_pair(output_tensor, input_tensor, fn, "output_tensor", "input_tensor")
-    n = pg._size
+    n = pg.size()
     if out.dtype is not inp.dtype:
         check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != n * inp.size:
@@ -440,21 +367,6 @@ all_gather_single = all_gather_into_tensor
 """Another name for :func:`all_gather_into_tensor` (torch's ``_all_gather_base``, Lightning's name)."""
 
 
-def _failed_in_role(pg: ProcessGroup, fn: str, exc: Exception, *tensor: Any) -> Exception:
-    """``exc``: a check this rank makes in its role (root, receiver) failed; return it to raise.
-
-    The other ranks may have passed theirs and sent their part, so the group is
-    told (:meth:`ProcessGroup.failed_alone`) unless the ``tensor`` given fails as a
-    plain input too: a bad array, which every rank of an SPMD program passes alike.
-    """
-    if tensor:
-        try:
-            prepare_input(tensor[0], fn, "tensor")
-        except (TypeError, ValueError):
-            return exc
-    return pg.failed_alone(fn, exc)
-
-
 def _root_list(
     pg: ProcessGroup, root: int, xs: Any, fn: str, arg: str, role: str, mine: Buffer, outputs: bool
 ) -> tuple[list[Buffer] | None, list[tuple[Buffer, Buffer]] | None]:
@@ -463,24 +375,24 @@ def _root_list(
     ``outputs``: gather_list holds outputs, scatter_list inputs; either must match this rank's
     ``mine`` in dtype and, at the root's own slot, size. Returns ``(buffers, backs)``
     on the root (``backs``: write-backs of staged outputs), ``(None, None)`` elsewhere.
-    A failure is this rank's alone (see :func:`_failed_in_role`).
+    A failure is this rank's alone (see :meth:`ProcessGroup.failed_in_role`).
     """
     try:
-        if pg._rank != root:
+        if pg.rank() != root:
             if xs:
                 raise ValueError(f"{fn}: {arg} must be None (or empty) on non-{role} ranks")
             return None, None
         if xs is None or (not xs and not outputs):
             raise ValueError(f"{fn}: {arg} must be given on the {role} rank")
         if outputs:
-            bufs, backs = prepare_output_list(xs, fn, arg, pg._size)
+            bufs, backs = prepare_output_list(xs, fn, arg, pg.size())
         else:
-            bufs, backs = prepare_input_list(xs, fn, arg, pg._size), None
-        _same_dtype(fn, mine, "tensor", bufs, arg)
-        _check_own_size(fn, bufs[root], arg, root, mine, "tensor")
+            bufs, backs = prepare_input_list(xs, fn, arg, pg.size()), None
+        same_dtype(fn, mine, "tensor", bufs, arg)
+        check_own_size(fn, bufs[root], arg, root, mine, "tensor")
         return bufs, backs
     except (TypeError, ValueError) as exc:
-        raise _failed_in_role(pg, fn, exc)  # noqa: B904 - exc itself
+        raise pg.failed_in_role(fn, exc)  # noqa: B904 - exc itself
 
 
 def gather(
@@ -537,12 +449,12 @@ def gather(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
+    root = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"), default=0)
     inp = prepare_input(tensor, fn, "tensor")
     outs, backs = _root_list(pg, root, gather_list, fn, "gather_list", "destination", inp, True)
     w = pg.gather(inp, outs, backs or None, root, async_op)
     if w is not None:
-        w._outputs = list(gather_list) if pg._rank == root else []
+        w._outputs = list(gather_list) if pg.rank() == root else []
     return w
 
 
@@ -602,7 +514,7 @@ def scatter(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    root = pg.root_rank(src, group_src, fn, ("src", "group_src"), default=0)
     out, target = prepare_output(tensor, fn, "tensor")
     backs = None if target is None else [(out, target)]
     ins, _ = _root_list(pg, root, scatter_list, fn, "scatter_list", "source", out, False)
@@ -659,9 +571,9 @@ def reduce_scatter(
     if pg is None:
         return absent(group, fn)
     out, target = prepare_output(output, fn, "output")
-    ins = prepare_input_list(input_list, fn, "input_list", pg._size)
-    _same_dtype(fn, out, "output", ins, "input_list")
-    _check_own_size(fn, ins[pg._rank], "input_list", pg._rank, out, "output")
+    ins = prepare_input_list(input_list, fn, "input_list", pg.size())
+    same_dtype(fn, out, "output", ins, "input_list")
+    check_own_size(fn, ins[pg.rank()], "input_list", pg.rank(), out, "output")
     w = pg.reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
     if w is not None:
         w._outputs = [output]
@@ -717,7 +629,7 @@ def reduce_scatter_tensor(
     if pg is None:
         return absent(group, fn)
     out, target, inp = prepare_pair(output, input, fn, "output", "input")
-    n = pg._size
+    n = pg.size()
     if out.dtype is not inp.dtype:
         check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
@@ -732,71 +644,6 @@ def reduce_scatter_tensor(
 
 reduce_scatter_single = reduce_scatter_tensor
 """Another name for :func:`reduce_scatter_tensor` (torch's ``_reduce_scatter_base``)."""
-
-
-_ANY_SIZE = -(1 << 63)  # split sizes are checked for negatives after conversion, with their own message
-
-
-def _split_counts(
-    splits: Any, rows: int, row_elems: int, n: int, fn: str, name: str, arr_name: str
-) -> list[int] | None:
-    """Return per-rank element counts for a split-size argument (None for an even split).
-
-    One pass over the sizes: converted, checked and summed together (uneven
-    all_to_all_single is a hot call in expert-parallel models).
-    """
-    if type(splits) is list or type(splits) is tuple:
-        even = not splits
-    elif splits is None:
-        even = True
-    elif isinstance(splits, (list, tuple, np.ndarray)):
-        even = False  # a numpy array of sizes, or a list or tuple subclass
-    else:
-        raise TypeError(f"{fn}: {name} must be a list of ints, got {type(splits).__name__}")
-    if even:
-        if rows % n:
-            raise ValueError(f"{fn}: {arr_name} has {rows} rows, which do not split evenly over {n} ranks; pass {name}")
-        return None
-    if len(splits) != n:
-        raise ValueError(f"{fn}: {name} has {len(splits)} entries but the group has {n} ranks")
-    counts, total, negative = [], 0, False
-    for s in splits:
-        if type(s) is not int:
-            s = int_arg(s, fn, name, minimum=_ANY_SIZE)
-        if s < 0:
-            negative = True
-        total += s
-        counts.append(s * row_elems)
-    if negative:
-        sizes = [s if type(s) is int else int_arg(s, fn, name, minimum=_ANY_SIZE) for s in splits]
-        raise ValueError(f"{fn}: {name} must not contain negative sizes, got {sizes}")
-    if total != rows:
-        raise ValueError(f"{fn}: {name} sums to {total} but {arr_name} has {rows} rows")
-    return counts
-
-
-def all_to_all_counts(
-    fn: str, out: Any, inp: Any, output_split_sizes: Any, input_split_sizes: Any, n: int
-) -> tuple[list[int] | None, list[int] | None]:
-    """Check all_to_all_single's arrays and split sizes; return the element counts (None: even splits)."""
-    check_dtype(fn, out, "output", inp, "input")
-    if out.ndim == 0 or inp.ndim == 0:
-        raise ValueError(f"{fn}: output and input need at least one dimension (rows)")
-    if out.shape[1:] != inp.shape[1:]:
-        raise ValueError(f"{fn}: rows of output {out.shape[1:]} and input {inp.shape[1:]} must have the same shape")
-    row = math.prod(inp.shape[1:])
-    in_counts = _split_counts(input_split_sizes, inp.shape[0], row, n, fn, "input_split_sizes", "input")
-    out_counts = _split_counts(output_split_sizes, out.shape[0], row, n, fn, "output_split_sizes", "output")
-    if in_counts is None and out_counts is None:
-        if out.shape[0] != inp.shape[0]:
-            raise ValueError(
-                f"{fn}: output has {out.shape[0]} rows but input has {inp.shape[0]}; with even splits they must match"
-            )
-        return None, None
-    return (
-        [inp.size // n] * n if in_counts is None else in_counts,
-        [out.size // n] * n if out_counts is None else out_counts,
-    )
 
 
 def all_to_all_single(
@@ -865,7 +712,7 @@ def all_to_all_single(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    n = pg._size
+    n = pg.size()
     out, target, inp = prepare_pair(output, input, fn, "output", "input")
     shape = inp.shape
     even = output_split_sizes is None and input_split_sizes is None
@@ -930,11 +777,11 @@ def all_to_all(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", pg._size)
-    ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", pg._size)
-    _same_dtype(fn, outs[0], "output_tensor_list[0]", outs, "output_tensor_list")
-    _same_dtype(fn, outs[0], "output_tensor_list[0]", ins, "input_tensor_list")
-    me = pg._rank
+    outs, backs = prepare_output_list(output_tensor_list, fn, "output_tensor_list", pg.size())
+    ins = prepare_input_list(input_tensor_list, fn, "input_tensor_list", pg.size())
+    same_dtype(fn, outs[0], "output_tensor_list[0]", outs, "output_tensor_list")
+    same_dtype(fn, outs[0], "output_tensor_list[0]", ins, "input_tensor_list")
+    me = pg.rank()
     if outs[me].size != ins[me].size:
         raise ValueError(
             f"{fn}: output_tensor_list[{me}] has {outs[me].size} elements but input_tensor_list[{me}] "
@@ -1011,7 +858,7 @@ def _flat_list(tensors: Any, fn: str, arg: str, writeable: bool, devices: list[A
         if d is not None:
             devices.append((a, d))
     if arrays:
-        _same_dtype(fn, arrays[0], f"{arg}[0]", arrays, arg)
+        same_dtype(fn, arrays[0], f"{arg}[0]", arrays, arg)
     return arrays
 
 
@@ -1127,7 +974,7 @@ def all_gather_coalesced(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    n = pg._size
+    n = pg.size()
     devices: list[Any] = []
     ins = _flat_list(input_tensor_list, fn, "input_tensor_list", writeable=False, devices=[])
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != n:

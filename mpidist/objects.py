@@ -58,7 +58,6 @@ from ._object_wire import (
 )
 from ._pickling import OUT_OF_BAND_MIN_BYTES, Pickled, receive_buffers, unpickle
 from ._world import world
-from .collectives import root_rank
 from .diagnose.debug import DebugLevel
 from .process_group import ProcessGroup, resolve_group
 
@@ -114,7 +113,7 @@ def broadcast_object_list(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    root = pg.root_rank(src, group_src, fn, ("src", "group_src"), default=0)
     _check_list(object_list, fn, "object_list")
     impl = pg.control
     at_root = impl.rank == root
@@ -209,7 +208,7 @@ def gather_object(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"), default=0)
+    root = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"), default=0)
     impl = pg.control
     at_root = impl.rank == root
     refused = None  # a check only this rank makes: announced in the head, so every rank raises it
@@ -262,7 +261,7 @@ def scatter_object_list(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    root = root_rank(pg, src, group_src, fn, ("src", "group_src"), default=0)
+    root = pg.root_rank(src, group_src, fn, ("src", "group_src"), default=0)
     impl = pg.control
     bad_output = None  # this rank only receives into it: the call goes on (nothing is left in flight), then raises
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
@@ -334,7 +333,7 @@ def send_object_list(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
+    peer = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"))
     _not_self(pg, peer, fn, "destination")
     _check_list(object_list, fn, "object_list")
     mine, exc = try_pickle(list(object_list))
@@ -367,7 +366,7 @@ def recv_object_list(
     if pg is None:
         return -1
     _check_list(object_list, fn, "object_list")
-    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, fn, ("src", "group_src"))
+    peer = None if src is None and group_src is None else pg.root_rank(src, group_src, fn, ("src", "group_src"))
     if peer is not None:
         _not_self(pg, peer, fn, "source")
     impl, tag = pg.control, _OBJECT_TAG

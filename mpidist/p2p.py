@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ._validate import int_arg
-from ._world import world
+from ._args import tag_value
 from .arrays.host import Buffer, prepare_input, prepare_output
 from .arrays.host import _adapt as adapt
-from .collectives import root_rank
 from .process_group import Backs, ProcessGroup, resolve_group
 from .work import Work
 
@@ -24,17 +22,6 @@ __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
 _DST = ("dst", "group_dst")
 _SRC = ("src", "group_src")
-
-
-def tag_value(tag: Any, fn: str) -> int:
-    """Return ``tag`` as an int within MPI's range, or raise TypeError/ValueError naming ``fn``."""
-    if type(tag) is int and 0 <= tag <= world.init_info.tag_ub:  # the common case, decided at once
-        return tag
-    t = int_arg(tag, fn, "tag", minimum=-(1 << 64))  # the type rule; the range is MPI's, checked here
-    upper = world.init_info.tag_ub
-    if not 0 <= t <= upper:
-        raise ValueError(f"{fn}: tag must be between 0 and {upper} (MPI_TAG_UB of this MPI library), got {t}")
-    return t
 
 
 def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
@@ -69,7 +56,7 @@ def isend(
     pg = resolve_group(group, "isend")
     if pg is None:
         return None
-    return _start_send(pg, tensor, root_rank(pg, dst, group_dst, "isend", _DST), tag, "isend")
+    return _start_send(pg, tensor, pg.root_rank(dst, group_dst, "isend", _DST), tag, "isend")
 
 
 def irecv(
@@ -79,7 +66,7 @@ def irecv(
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None
-    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, "irecv", _SRC)
+    peer = None if src is None and group_src is None else pg.root_rank(src, group_src, "irecv", _SRC)
     return _start_recv(pg, tensor, peer, tag, "irecv")
 
 
@@ -98,7 +85,7 @@ def send(
     pg = resolve_group(group, "send")
     if pg is None:
         return None
-    peer = root_rank(pg, dst, group_dst, "send", _DST)
+    peer = pg.root_rank(dst, group_dst, "send", _DST)
     _not_self(pg, peer, "send", "destination")
     _start_send(pg, tensor, peer, tag, "send").wait()
     return None
@@ -114,7 +101,7 @@ def recv(
     pg = resolve_group(group, "recv")
     if pg is None:
         return -1
-    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, "recv", _SRC)
+    peer = None if src is None and group_src is None else pg.root_rank(src, group_src, "recv", _SRC)
     if peer is not None:
         _not_self(pg, peer, "recv", "source")
     buf, target = prepare_output(tensor, "recv", "tensor")
@@ -163,7 +150,7 @@ class P2POp:
         if pg is None:  # not a member: batch_isend_irecv skips it
             self.peer, self.group_peer = peer, group_peer
             return
-        self.group_peer = root_rank(pg, peer, group_peer, fn, ("peer", "group_peer"))
+        self.group_peer = pg.root_rank(peer, group_peer, fn, ("peer", "group_peer"))
         self.peer = pg.ranks[self.group_peer]
 
     def __repr__(self) -> str:

@@ -25,23 +25,21 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ._validate import timeout_seconds
-from ._world import world
-from .arrays.host import DTYPES, copy_in, prepare_inout, prepare_output, prepare_source
-from .backends.base import PersistentPlan
-from .collectives import (
-    SUM,
+from ._args import (
     all_to_all_counts,
     check_block_shapes,
     check_dtype,
     gathered_size_error,
-    root_rank,
     scattered_size_error,
+    tag_value,
 )
+from ._validate import timeout_seconds
+from ._world import world
+from .arrays.host import DTYPES, copy_in, prepare_inout, prepare_output, prepare_source
+from .backends.base import PersistentPlan
 from .errors import DistBackendError
-from .p2p import tag_value
 from .process_group import ProcessGroup, absent, resolve_group
-from .reduce_op import check_op
+from .reduce_op import ReduceOp, check_op
 from .work import chain, poll
 
 __all__ = [
@@ -455,8 +453,8 @@ def broadcast_init(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, src, group_src, fn, ("src", "group_src"))
-    if pg._rank == root:
+    root = pg.root_rank(src, group_src, fn, ("src", "group_src"))
+    if pg.rank() == root:
         buf, source = prepare_source(tensor, fn, "tensor")
         fills, backs = _staged(buf, source), None
     else:
@@ -465,7 +463,7 @@ def broadcast_init(
     return _made(pg, pg.broadcast_init(buf, backs, root), fills, (tensor, buf))
 
 
-def all_reduce_init(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None) -> Persistent | None:
+def all_reduce_init(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> Persistent | None:
     """Make a persistent in-place ``all_reduce`` of ``tensor``.
 
     Collective: every rank of the group makes it, in the same order as its other
@@ -494,7 +492,7 @@ def all_reduce_init(tensor: Any, op: Any = SUM, group: ProcessGroup | None = Non
 def reduce_init(
     tensor: Any,
     dst: int | None = None,
-    op: Any = SUM,
+    op: Any = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     group_dst: int | None = None,
 ) -> Persistent | None:
@@ -508,8 +506,8 @@ def reduce_init(
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
         return absent(group, fn)
-    root = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
-    if pg._rank == root:
+    root = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"))
+    if pg.rank() == root:
         buf, target = prepare_inout(tensor, fn, "tensor")
         fills = backs = _staged(buf, target)
     else:
@@ -531,7 +529,7 @@ def all_gather_into_tensor_init(
         return absent(group, fn)
     out, target = prepare_output(output_tensor, fn, "output_tensor")
     inp, source = prepare_source(input_tensor, fn, "input_tensor")
-    n = pg._size
+    n = pg.size()
     check_dtype(fn, out, "output_tensor", inp, "input_tensor")
     if out.size != n * inp.size:
         raise gathered_size_error(fn, out, inp, n)
@@ -541,7 +539,7 @@ def all_gather_into_tensor_init(
 
 
 def reduce_scatter_tensor_init(
-    output: Any, input: Any, op: Any = SUM, group: ProcessGroup | None = None
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None
 ) -> Persistent | None:
     """Make a persistent ``reduce_scatter_tensor``: every run reduces ``input`` (``world_size`` times
     ``output``'s elements) across ranks and leaves block ``i`` of the result in rank ``i``'s ``output``.
@@ -552,7 +550,7 @@ def reduce_scatter_tensor_init(
         return absent(group, fn)
     out, target = prepare_output(output, fn, "output")
     inp, source = prepare_source(input, fn, "input")
-    n = pg._size
+    n = pg.size()
     check_dtype(fn, out, "output", inp, "input")
     if inp.size != n * out.size:
         raise scattered_size_error(fn, out, inp, n)
@@ -580,7 +578,7 @@ def all_to_all_single_init(
         return absent(group, fn)
     out, target = prepare_output(output, fn, "output")
     inp, source = prepare_source(input, fn, "input")
-    in_counts, out_counts = all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, pg._size)
+    in_counts, out_counts = all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, pg.size())
     plan = pg.all_to_all_single_init(out, _staged(out, target), inp, out_counts, in_counts)
     return _made(pg, plan, _staged(inp, source), (output, input, out, inp))
 
@@ -611,7 +609,7 @@ def send_init(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    peer = root_rank(pg, dst, group_dst, fn, ("dst", "group_dst"))
+    peer = pg.root_rank(dst, group_dst, fn, ("dst", "group_dst"))
     t = tag_value(tag, fn)
     buf, source = prepare_source(tensor, fn, "tensor")
     return _made(pg, pg.send_init(buf, peer, t), _staged(buf, source), (tensor, buf))
@@ -630,7 +628,7 @@ def recv_init(
     pg = resolve_group(group, fn)
     if pg is None:
         return None
-    peer = None if src is None and group_src is None else root_rank(pg, src, group_src, fn, ("src", "group_src"))
+    peer = None if src is None and group_src is None else pg.root_rank(src, group_src, fn, ("src", "group_src"))
     t = tag_value(tag, fn)
     buf, target = prepare_output(tensor, fn, "tensor")
     return _made(pg, pg.recv_init(buf, _staged(buf, target), peer, t), None, (tensor, buf))

@@ -13,7 +13,7 @@ from numpy import ndarray
 
 from ._world import world
 from .arrays.device import DeviceArray
-from .arrays.host import Buffer
+from .arrays.host import Buffer, prepare_input
 from .backends.base import BaseBackend, PersistentPlan
 from .diagnose.debug import DebugBackend, DebugLevel
 from .errors import DefaultGroupStateError, DistError, RankNotInGroupError
@@ -163,6 +163,20 @@ class ProcessGroup:
             for p in list(self.persistent):  # and so does every start of the persistent operations made before
                 p._group_refused(lambda: self._refuse("Persistent.start"))
         return exc
+
+    def failed_in_role(self, fn: str, exc: Exception, *tensor: Any) -> Exception:
+        """``exc``: a check this rank makes in its role (root, receiver) failed; return it to raise.
+
+        The other ranks may have passed theirs and sent their part, so the group is
+        told (:meth:`failed_alone`) unless the ``tensor`` given fails as a plain input
+        too: a bad array, which every rank of an SPMD program passes alike.
+        """
+        if tensor:
+            try:
+                prepare_input(tensor[0], fn, "tensor")
+            except (TypeError, ValueError):
+                return exc
+        return self.failed_alone(fn, exc)
 
     def _refuse(self, fn: str) -> None:
         raise DistError(
@@ -381,6 +395,36 @@ class ProcessGroup:
                 f"(its global ranks: {_short(self.ranks)})"
             )
         return r
+
+    def root_rank(
+        self, global_rank: Any, group_rank: Any, fn: str, names: tuple[str, str], default: int | None = None
+    ) -> int:
+        """The group rank a call's root argument names: ``global_rank`` or ``group_rank`` (exactly one of them).
+
+        ``names`` are the two parameters' names (``("src", "group_src")``) for the errors;
+        ``default`` (a global rank) stands for neither given. Raises ValueError (both,
+        or neither and no default) or RankNotInGroupError (not a member, out of range).
+        """
+        if group_rank is None and type(global_rank) is int:  # the common case: one lookup in the group's table
+            r = self._group_of.get(global_rank)
+            if r is not None:
+                return r
+        if group_rank is not None:
+            if global_rank is not None:
+                raise ValueError(f"{fn}: pass either {names[0]} (global rank) or {names[1]} (group rank), not both")
+            r = rank_int(group_rank, fn, names[1])
+            if not 0 <= r < self._size:
+                raise RankNotInGroupError(f"{fn}: {names[1]}={r} is out of range for a group of size {self._size}")
+            return r
+        if global_rank is None:
+            if default is None:
+                raise ValueError(f"{fn}: {names[0]} (a global rank) or {names[1]} (a group rank) is required")
+            global_rank = default
+        return self.group_rank(global_rank, fn, names[0])
+
+    def is_identity(self) -> bool:
+        """True if the group's ranks are the global ranks in order (group rank == global rank)."""
+        return self._identity
 
     def global_rank(self, group_rank: int, fn: str = "get_global_rank", arg: str = "group_rank") -> int:
         """Translate a rank of this group into a global rank, or raise RankNotInGroupError."""
