@@ -187,12 +187,41 @@ def new_group(
     Returns the new ProcessGroup on members and ``GroupMember.NON_GROUP_MEMBER``
     elsewhere; collectives on that are no-ops and ``get_rank`` of it is -1.
 
-    Example (``mpiexec -n 4``)::
+    Args:
+        ranks: The members' global ranks; None means every rank.
+        timeout: The group's timeout for each call (timedelta or seconds); None
+            means the default group's.
+        backend: The group's backend name (see ``init_process_group``); None
+            means the default group's.
+        pg_options: Passed to a registered backend's factory.
+        use_local_synchronization: True: only the members call ``new_group``.
+        group_desc: A description of the group, shown in debug output.
+        device_id: Accepted for torch compatibility; unused.
+        sort_ranks: False: group rank ``i`` is ``ranks[i]`` instead of following
+            the sorted global ranks.
 
-        >>> odd = dist.new_group([1, 3])
-        >>> dist.get_rank(odd)      # 0 on rank 1, 1 on rank 3, -1 on ranks 0 and 2
+    Returns:
+        The ``ProcessGroup`` on its members, ``GroupMember.NON_GROUP_MEMBER`` on
+        the other ranks.
+
+    Raises:
+        TypeError: ``ranks`` is not a list of int ranks, or ``timeout``,
+            ``backend`` or ``sort_ranks`` has the wrong type.
+        ValueError: ``ranks`` has a rank outside the world or a rank twice, or
+            ``backend`` is not a known backend.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: not every rank called ``new_group`` within the default
+            group's timeout.
+
+    Example:
+        >>> odd = dist.new_group([1, 3])  # under mpiexec -n 4
+        >>> dist.get_rank(odd)
+        -1  # rank 0 and rank 2
+        0  # rank 1
+        1  # rank 3
         >>> rev = dist.new_group([1, 0], sort_ranks=False)
-        >>> dist.get_global_rank(rev, 0)   # 1 on ranks 0 and 1
+        >>> dist.get_global_rank(rev, 0)
+        1  # rank 0 and rank 1
     """
     fn = "new_group"
     sort_ranks = bool_arg(sort_ranks, fn, "sort_ranks")
@@ -266,9 +295,34 @@ def new_subgroups(
     ``(this rank's subgroup, list of all subgroups)``, non-member entries being
     ``GroupMember.NON_GROUP_MEMBER``.
 
-    Example (``mpiexec -n 4``)::
+    Args:
+        group_size: Ranks per subgroup; it must divide the size of ``group``. None
+            means the number of ranks on this node.
+        group: The group to split; None is the default group.
+        timeout: The subgroups' timeout (timedelta or seconds); None means the
+            default group's.
+        backend: The subgroups' backend name; None means the default group's.
+        pg_options: Passed to a registered backend's factory.
+        group_desc: A description of the subgroups, shown in debug output.
 
-        >>> mine, all_groups = dist.new_subgroups(2)   # {0, 1} and {2, 3}
+    Returns:
+        ``(mine, subgroups)``: this rank's subgroup, and every subgroup in order
+        (``GroupMember.NON_GROUP_MEMBER`` for those this rank is not in).
+
+    Raises:
+        TypeError: ``group_size`` is not an int, or ``timeout`` or ``backend``
+            has the wrong type.
+        ValueError: ``group_size`` is not positive or does not divide the size of
+            ``group``, or this rank is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: not every member of ``group`` called it within the
+            group's timeout.
+
+    Example:
+        >>> mine, subgroups = dist.new_subgroups(2)  # under mpiexec -n 4: {0, 1} and {2, 3}
+        >>> dist.get_process_group_ranks(mine)
+        [0, 1]  # rank 0 and rank 1
+        [2, 3]  # rank 2 and rank 3
     """
     fn = "new_subgroups"
     _, td, devices, requested = _group_settings(fn, timeout, backend)
@@ -309,9 +363,32 @@ def new_subgroups_by_enumeration(
     Every rank of the default group calls it. Returns ``(this rank's subgroup or
     None, list of all subgroups)``.
 
-    Example (``mpiexec -n 4``)::
+    Args:
+        ranks_per_subgroup_list: One list of global ranks per subgroup; the lists
+            must not overlap.
+        timeout: The subgroups' timeout (timedelta or seconds); None means the
+            default group's.
+        backend: The subgroups' backend name; None means the default group's.
+        pg_options: Passed to a registered backend's factory.
+        group_desc: A description of the subgroups, shown in debug output.
 
-        >>> mine, groups = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    Returns:
+        ``(mine, subgroups)``: this rank's subgroup (None if it is in none), and
+        every subgroup in order (``GroupMember.NON_GROUP_MEMBER`` for those this
+        rank is not in).
+
+    Raises:
+        TypeError: ``ranks_per_subgroup_list`` is not a list of lists of int ranks.
+        ValueError: it is empty, a rank is outside the world or in two subgroups.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: not every rank called it within the default group's
+            timeout.
+
+    Example:
+        >>> mine, subgroups = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])  # mpiexec -n 4
+        >>> dist.get_process_group_ranks(mine)
+        [0, 2]  # rank 0 and rank 2
+        [1, 3]  # rank 1 and rank 3
     """
     fn = "new_subgroups_by_enumeration"
     default, td, devices, requested = _group_settings(fn, timeout, backend)
@@ -345,15 +422,67 @@ def _member_group(group: Any, fn: str) -> ProcessGroup:
 
 
 def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
-    """Translate a global rank into a rank of ``group`` (RankNotInGroupError if absent)."""
+    """Translate a global rank into a rank of ``group`` (RankNotInGroupError if absent).
+
+    Args:
+        group: The group; None is the default group.
+        global_rank: A rank of the default group.
+
+    Returns:
+        ``global_rank``'s rank in ``group``.
+
+    Raises:
+        RankNotInGroupError: ``global_rank`` is not a member of ``group``.
+        ValueError: this rank is not a member of ``group``.
+        TypeError: ``global_rank`` is not an int, or ``group`` not a process group.
+
+    Example:
+        >>> g = dist.new_group([1], use_local_synchronization=True) if dist.get_rank() == 1 else None
+        >>> dist.get_group_rank(g, 1) if g else None
+        0  # rank 1
+    """
     return _member_group(group, "get_group_rank").group_rank(global_rank)
 
 
 def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
-    """Translate a rank of ``group`` into a global rank."""
+    """Translate a rank of ``group`` into a global rank.
+
+    Args:
+        group: The group; None is the default group.
+        group_rank: A rank of ``group``.
+
+    Returns:
+        The global rank of ``group``'s member ``group_rank``.
+
+    Raises:
+        RankNotInGroupError: ``group_rank`` is out of range for ``group``.
+        ValueError: this rank is not a member of ``group``.
+        TypeError: ``group_rank`` is not an int, or ``group`` not a process group.
+
+    Example:
+        >>> rev = dist.new_group([1, 0], sort_ranks=False)
+        >>> dist.get_global_rank(rev, 0)
+        1  # rank 0 and rank 1
+    """
     return _member_group(group, "get_global_rank").global_rank(group_rank)
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
-    """Return the global ranks of ``group``'s members, in group-rank order."""
+    """Return the global ranks of ``group``'s members, in group-rank order.
+
+    Args:
+        group: The group; None is the default group.
+
+    Returns:
+        A list of global ranks: entry ``i`` is group rank ``i``.
+
+    Raises:
+        ValueError: this rank is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        TypeError: ``group`` is not a process group.
+
+    Example:
+        >>> dist.get_process_group_ranks(dist.new_group([1, 0], sort_ranks=False))
+        [1, 0]  # rank 0 and rank 1
+    """
     return list(_member_group(group, "get_process_group_ranks").ranks)

@@ -54,8 +54,8 @@ __all__ = [
     "default_pg_timeout",
 ]
 
-#: torch.distributed's default timeout for process groups (30 minutes)
 default_pg_timeout = timedelta(minutes=30)
+"""torch.distributed's default timeout for process groups: 30 minutes (a ``datetime.timedelta``)."""
 
 _SCHEMES = ("env", "tcp", "file")
 
@@ -141,8 +141,11 @@ def init_process_group(
             world size it states (``?rank=0&world_size=4``) is checked against MPI.
         timeout: bound on every blocking call of the group (timedelta or
             seconds; default 30 minutes).
-        world_size, rank: optional; must agree with MPI when given (as must the
-            ``RANK``/``WORLD_SIZE`` environment variables with ``env://``).
+        world_size: Optional (-1: from MPI); must agree with MPI when given, as
+            must ``WORLD_SIZE`` with ``env://``. Without a launcher, the number of
+            processes that meet through ``init_method`` or ``store``.
+        rank: Optional (-1: from MPI); must agree with MPI when given, as must
+            ``RANK`` with ``env://``. Without a launcher, this process's rank.
         store: a key-value store; mutually exclusive with ``init_method``.
         group_name: ignored (deprecated in torch).
         pg_options: passed to the backend factory.
@@ -150,14 +153,25 @@ def init_process_group(
 
     Raises:
         DefaultGroupStateError: already initialized (a ValueError, as in torch, and a RuntimeError).
-        ValueError: a rank or world size disagrees with MPI (on every rank).
+        TypeError: ``backend`` or ``init_method`` is not a string, ``store`` lacks
+            ``set``/``get``/``add``/``wait``, or ``rank``, ``world_size`` or
+            ``timeout`` has the wrong type.
+        ValueError: a rank or world size disagrees with MPI (the same error on
+            every rank); an unknown backend or ``"ucc"``; an ``init_method`` other
+            than ``env://``, ``tcp://`` or ``file://``; both ``init_method`` and
+            ``store``; ``tcp://`` or ``file://`` without a launcher and without
+            the world size and rank.
+        RuntimeError: MPI cannot start the world asked for here (the message says
+            why and what to do), or the processes cannot reach each other.
+        DistBackendError: not every rank called ``init_process_group`` within
+            ``timeout``.
 
-    Example (``mpiexec -n 2 python script.py``)::
-
+    Example:
         >>> import mpidist as dist
-        >>> dist.init_process_group()
+        >>> dist.init_process_group()  # under mpiexec -n 2
         >>> dist.get_rank(), dist.get_world_size()
-        (0, 2)
+        (0, 2)  # rank 0
+        (1, 2)  # rank 1
     """
     fn = "init_process_group"
     with world.lock:
@@ -297,10 +311,20 @@ def get_default_store() -> Any:
     own ``PrefixStore``. A store mpidist opened closes in ``destroy_process_group``
     (rank 0 hosts it: finish using it on every rank first, e.g. with a barrier).
 
-    Example (``mpiexec -n 2``)::
+    Returns:
+        The store (a ``Store``: ``TCPStore``, ``FileStore``, ... or the user's own).
 
+    Raises:
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        RuntimeError: rank 0 could not open a store (the message says why); the
+            process groups work without one.
+
+    Example:
         >>> store = dist.get_default_store()
-        >>> store.add("ready", 1)   # 1 on one rank, 2 on the other
+        >>> if dist.get_rank() == 0:
+        ...     store.set("answer", "42")
+        >>> store.get("answer")  # waits until rank 0 has set it
+        b'42'  # rank 0 and rank 1
     """
     fn = "get_default_store"
     if world.default_pg is None:
@@ -336,13 +360,22 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
     Destroying the default group destroys every group. Afterwards
     ``init_process_group()`` may be called again; MPI itself stays initialized
-    until the process exits.
+    until the process exits. Every member of the group calls it.
 
-    Example::
+    Args:
+        group: The group to destroy; None (or the default group) destroys every
+            group. On a rank outside ``group`` it does nothing.
 
+    Raises:
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        RuntimeError: ``group`` has already been destroyed.
+        TypeError: ``group`` is not a process group.
+
+    Example:
         >>> dist.destroy_process_group()
         >>> dist.is_initialized()
         False
+        >>> dist.init_process_group()  # again, as often as needed
     """
     fn = "destroy_process_group"
     with world.lock:
@@ -361,37 +394,106 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
 
 def is_initialized() -> bool:
-    """Return True if the default process group is initialized."""
+    """Return True if the default process group is initialized.
+
+    Returns:
+        True between ``init_process_group`` and ``destroy_process_group``.
+
+    Example:
+        >>> dist.is_initialized()
+        True
+    """
     return world.default_pg is not None
 
 
 def is_available() -> bool:
-    """Return True: mpidist is usable wherever it imports."""
+    """Return True: mpidist is usable wherever it imports.
+
+    Returns:
+        True (torch answers whether it was built with distributed support).
+
+    Example:
+        >>> dist.is_available()
+        True
+    """
     return True
 
 
 def is_mpi_available() -> bool:
-    """Return True if mpi4py (and with it an MPI library) can be used."""
+    """Return True if mpi4py (and with it an MPI library) can be used.
+
+    Returns:
+        True when mpi4py is importable.
+
+    Example:
+        >>> dist.is_mpi_available()
+        True
+    """
     return importlib.util.find_spec("mpi4py") is not None
 
 
 def is_nccl_available() -> bool:
-    """Return True if cupy's NCCL bindings are installed."""
+    """Return True if cupy's NCCL bindings are installed.
+
+    It does not import cupy, nor check that a GPU is present: ``is_backend_available("nccl")`` does.
+
+    Returns:
+        True when ``cupy.cuda.nccl`` can be imported.
+
+    Example:
+        >>> dist.is_nccl_available()
+        False  # without cupy
+    """
     return nccl_importable()
 
 
 def is_gloo_available() -> bool:
-    """Return True: the name "gloo" is served (by MPI), so programs that check it take the gloo branch."""
+    """Return True: the name "gloo" is served (by MPI), so programs that check it take the gloo branch.
+
+    Returns:
+        True when MPI is available (``is_mpi_available()``).
+
+    Example:
+        >>> dist.is_gloo_available()
+        True
+    """
     return is_mpi_available()
 
 
 def is_ucc_available() -> bool:
-    """Return False: mpidist has no ucc backend."""
+    """Return False: mpidist has no ucc backend.
+
+    Returns:
+        False, always.
+
+    Example:
+        >>> dist.is_ucc_available()
+        False
+    """
     return False
 
 
 def is_backend_available(backend: str) -> bool:
-    """Return True if ``backend`` names a backend mpidist can create."""
+    """Return True if ``backend`` names a backend mpidist can create.
+
+    Args:
+        backend: A backend name, any case: ``"mpi"``, ``"gloo"`` (served by MPI),
+            ``"nccl"`` or a registered one.
+
+    Returns:
+        True for ``"mpi"`` and ``"gloo"`` when MPI is available, for ``"nccl"``
+        when cupy's NCCL and a GPU are, and for backends registered with
+        ``Backend.register_backend``; False otherwise.
+
+    Raises:
+        TypeError: ``backend`` is not a string.
+
+    Example:
+        >>> dist.is_backend_available("mpi")
+        True
+        >>> dist.is_backend_available("ucc")
+        False
+    """
     if not isinstance(backend, str):
         raise TypeError(f"is_backend_available: backend must be a str, got {type(backend).__name__}")
     name = Backend(backend)
@@ -404,13 +506,38 @@ def is_backend_available(backend: str) -> bool:
 
 
 def is_torchelastic_launched() -> bool:
-    """Return True if started by torchelastic (``TORCHELASTIC_RUN_ID`` is set)."""
+    """Return True if started by torchelastic (``TORCHELASTIC_RUN_ID`` is set).
+
+    Returns:
+        True under ``torchrun``, False under ``mpiexec``, ``srun`` or ``mpidistrun``.
+
+    Example:
+        >>> dist.is_torchelastic_launched()
+        False  # under mpiexec
+    """
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None
 
 
 def get_backend(group: ProcessGroup | None = None) -> Backend:
     """Return the backend name of ``group`` (default: the world) as the program asked for it: ``"mpi"``,
-    ``"gloo"`` (served by MPI), ``"cpu:gloo,cuda:nccl"``, ..."""
+    ``"gloo"`` (served by MPI), ``"cpu:gloo,cuda:nccl"``, ...
+
+    Args:
+        group: The group; None is the default group.
+
+    Returns:
+        The name, lowercase (a ``Backend``, which is a ``str``). A group made
+        without a ``backend`` has the default group's.
+
+    Raises:
+        ValueError: this rank is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        TypeError: ``group`` is not a process group.
+
+    Example:
+        >>> dist.get_backend()
+        'mpi'
+    """
     pg = resolve_group(group, "get_backend")
     if pg is None:
         raise ValueError("get_backend: this rank is not a member of the group")
@@ -418,13 +545,44 @@ def get_backend(group: ProcessGroup | None = None) -> Backend:
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
-    """Return this process's rank in ``group`` (default: the world); -1 if not a member."""
+    """Return this process's rank in ``group`` (default: the world); -1 if not a member.
+
+    Args:
+        group: The group; None is the default group.
+
+    Returns:
+        The rank, from 0 to the group's size - 1; -1 on ranks outside ``group``.
+
+    Raises:
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        TypeError: ``group`` is not a process group.
+
+    Example:
+        >>> dist.get_rank()
+        0  # rank 0
+        1  # rank 1
+    """
     pg = resolve_group(group, "get_rank")
     return -1 if pg is None else pg.rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    """Return the size of ``group`` (default: the world); -1 if not a member."""
+    """Return the size of ``group`` (default: the world); -1 if not a member.
+
+    Args:
+        group: The group; None is the default group.
+
+    Returns:
+        The number of processes in ``group``; -1 on ranks outside it.
+
+    Raises:
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        TypeError: ``group`` is not a process group.
+
+    Example:
+        >>> dist.get_world_size()
+        2
+    """
     pg = resolve_group(group, "get_world_size")
     return -1 if pg is None else pg.size()
 
@@ -433,7 +591,23 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     """Return this process's rank among the processes of its node.
 
     Taken from ``LOCAL_RANK`` if set, else from MPI's shared-memory split once
-    initialized, else ``fallback_rank``.
+    initialized, else ``fallback_rank``. ``import mpidist`` sets ``LOCAL_RANK`` from
+    the MPI launcher's variables where it finds them.
+
+    Args:
+        fallback_rank: What to return when neither of the above is known.
+
+    Returns:
+        The node-local rank.
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` is not an integer.
+        RuntimeError: none of the three is known.
+
+    Example:
+        >>> dist.get_node_local_rank()  # both ranks on one node
+        0  # rank 0
+        1  # rank 1
     """
     text = os.environ.get("LOCAL_RANK")
     if text is not None:
@@ -448,5 +622,19 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
 
 
 def get_pg_count() -> int:
-    """Return the number of live process groups (the default group included)."""
+    """Return the number of live process groups (the default group included).
+
+    Counts the groups this rank belongs to that have not been destroyed (torch
+    counts every group ever created).
+
+    Returns:
+        The number of groups; 0 before ``init_process_group``.
+
+    Example:
+        >>> dist.get_pg_count()
+        1
+        >>> pair = dist.new_group([0, 1])
+        >>> dist.get_pg_count()
+        2
+    """
     return len(world.groups)
