@@ -220,8 +220,10 @@ def new_group(
         0  # rank 1
         1  # rank 3
         >>> rev = dist.new_group([1, 0], sort_ranks=False)
-        >>> dist.get_global_rank(rev, 0)
-        1  # rank 0 and rank 1
+        >>> dist.get_rank(rev)
+        1  # rank 0
+        0  # rank 1
+        -1  # rank 2 and rank 3
     """
     fn = "new_group"
     sort_ranks = bool_arg(sort_ranks, fn, "sort_ranks")
