@@ -95,8 +95,8 @@ def install_local_torch(python: Path) -> None:
 
 
 #: what the torch tests use beside torch: the Lightning they train with over "mpi" and "mpidist"
-#: (tests/test_torch_autoload.py), and expecttest, which torch's own distributed test suite imports
-#: (tests/test_torch_suite.py)
+#: (tests/with_torch/test_torch_autoload.py), and expecttest, which torch's own distributed test suite imports
+#: (tests/with_torch/test_torch_suite.py)
 TORCH_TEST_EXTRAS = ("lightning==2.6.6", "expecttest")
 
 

@@ -6,13 +6,21 @@ Run under ``mpiexec -n N python -m pytest --with-mpi`` for N = 1..4.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 import mpidist as dist
 
-from helpers import KINDS, Maker, require_kind
+# The tests live in folders by layer (tests/api, tests/backends, ...) and import helpers.py and
+# nccl_fake.py from here: tests/ goes first on sys.path whatever pytest's import mode. (No folder has
+# an __init__.py, so two test modules may not share a basename; none is named after a package they
+# import: a folder tests/torch would make `import torch` find it where torch is not installed.)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import KINDS, Maker, require_kind  # noqa: E402 - after the sys.path line
 
 pytest_plugins = ["mpidist.testing"]
 
@@ -54,7 +62,7 @@ def no_group():
 def fresh():
     """A new group of every rank (5 s timeout), destroyed afterwards; the debug level is OFF after the test.
 
-    For tests that may leave their group refused or timed out (tests/test_role_errors.py, test_hostile.py,
+    For tests that may leave their group refused or timed out (tests/hostile/: test_role_errors.py, test_hostile.py,
     test_fuzz.py): the default group and the other tests are not affected.
     """
     g = dist.new_group(timeout=timedelta(seconds=5))

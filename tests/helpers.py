@@ -26,6 +26,11 @@ from mpidist.launch.rendezvous import speaks_pmi1
 from mpidist.launch.run import local_command
 from mpidist.testing.standin import HostCudaArray
 
+#: the repository (the tests live in tests/<layer>/, beside helpers.py in tests/)
+REPO = Path(__file__).resolve().parents[1]
+#: programs the tests start as jobs of their own
+PROGRAMS = REPO / "tests" / "programs"
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 #: one representative per dtype family, and every supported dtype

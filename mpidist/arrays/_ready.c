@@ -29,7 +29,7 @@
  * numpy arrays gives host.byte_spans's answer (sorting the spans to decide whether
  * they are disjoint); anything else goes to host.byte_spans.
  *
- * The rules are host.py's; tests/test_arrays.py checks that both give the same answers.
+ * The rules are host.py's; tests/arrays/test_arrays.py checks that both give the same answers.
  *
  * Only public contracts: numpy arrays through numpy's C API (PyArray_* after import_array), torch
  * tensors through torch's Python-level members. The module keeps process-wide state (what `bind`

@@ -1,4 +1,4 @@
-"""A Lightning job as its users write it, for tests/test_torch_autoload.py: ``mpiexec -n 2 python lightning_train.py BACKEND DIR [fp16]``.
+"""A Lightning job as its users write it, for tests/with_torch/test_torch_autoload.py: ``mpiexec -n 2 python lightning_train.py BACKEND DIR [fp16]``.
 
 It never imports mpidist: the backend names "mpi" and "mpidist" must work from
 ``pip install mpidist`` alone (torch's entry points). Trains a small regression

@@ -1,7 +1,7 @@
 """torch CPU tensors: what only torch has.
 
 Every collective and point-to-point call already runs on torch tensors of every dtype,
-op, root and layout in test_collectives.py and test_p2p.py (the ``make`` fixture). This
+op, root and layout in api/test_collectives.py and api/test_p2p.py (the ``make`` fixture). This
 file covers what is particular to tensors: mpidist works on the tensor's own memory
 (zero-copy, ``data_ptr`` kept, staged non-contiguous outputs written back), tensors that
 require grad (updated in place without autograd, as torch.distributed's gloo does),

@@ -22,14 +22,14 @@ from mpi4py import MPI
 
 from mpidist.launch import run
 from mpidist.launch.boot import launched_by_mpi
-from mpidist.launch.environment import launcher_environment, torchrun_environment
+from mpidist.launch.environment import launcher_environment
+from mpidist.launch.from_mpi import torchrun_environment
 
-from helpers import clean_env, fail_together, free_port, mpiexec_command, needs_pmi1
+from helpers import REPO, clean_env, fail_together, free_port, mpiexec_command, needs_pmi1
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
-ROOT = Path(__file__).resolve().parents[1]
-PROGRAM = ROOT / "examples" / "torch_program.py"
+PROGRAM = REPO / "examples" / "torch_program.py"
 BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.timeout(180)
@@ -152,7 +152,7 @@ def test_mpidistrun_refuses_what_it_cannot_do(argv, message):
 
 
 def _results(cmd: list[str], env: dict[str, str], timeout: float = 150) -> list[dict]:
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert out.returncode == 0, f"{' '.join(cmd)} exited with {out.returncode}:\n{out.stderr[-3000:]}"
     found = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out.stdout)]
     return sorted(found, key=lambda r: r["rank"])

@@ -795,7 +795,7 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(pg):
         (ValueError, r"^allreduce: tensors must hold exactly one tensor per process", backend.allreduce,
          [torch.ones(2), torch.ones(2)]),
         (TypeError, r"^all_reduce: .*float8_e5m2, which mpidist does not send", tdist.all_reduce, torch.ones(2).to(torch.float8_e5m2)),
-        # all_reduce sums sparse tensors as gloo does (tests/test_torch_gloo_features.py), with SUM only;
+        # all_reduce sums sparse tensors as gloo does (tests/with_torch/test_torch_gloo_features.py), with SUM only;
         # the other collectives refuse them
         (ValueError, r"sparse tensor can only be summed", lambda t: tdist.all_reduce(t, op=R.MAX), torch.ones(2).to_sparse()),
         (TypeError, r"sparse", lambda t: tdist.broadcast(t, 0), torch.ones(2).to_sparse()),

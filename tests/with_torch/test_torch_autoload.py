@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from helpers import clean_env, mpiexec_command
+from helpers import PROGRAMS, clean_env, mpiexec_command
 
 pytest.importorskip("torch")
 
 SIZE = MPI.COMM_WORLD.Get_size()
-PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 pytestmark = [
     pytest.mark.timeout(300),

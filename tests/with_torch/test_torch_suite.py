@@ -11,23 +11,21 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
-from helpers import clean_env
+from helpers import REPO, clean_env
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("expecttest", reason="torch's test utilities need expecttest (pip install expecttest)")
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own mpiexec -n 3; runs in the world of one rank")
 def test_every_test_of_torchs_suite_that_runs_passes():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "torch_suite.py")], env=clean_env(), cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "torch_suite.py")], env=clean_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=840)  # fmt: skip
     out = proc.stdout + proc.stderr
     counts = re.search(r"passed (\d+), failed (\d+), skipped (\d+)", out)

@@ -138,9 +138,9 @@ def layout_exists(layout: str, kind_name: str) -> bool:
 
 def skip_if_staged(make: Maker) -> None:
     """Zero-copy checks do not apply to device arrays: over a non-CUDA-aware MPI they are staged
-    through host memory by design (tests/test_device.py checks the direct and staged paths)."""
+    through host memory by design (tests/backends/test_device.py checks the direct and staged paths)."""
     if not make.kind.zero_copy:
-        pytest.skip("device arrays are staged through host memory (see tests/test_device.py)")
+        pytest.skip("device arrays are staged through host memory (see tests/backends/test_device.py)")
 
 
 def is_c_contiguous(x: Any) -> bool:
@@ -1618,7 +1618,7 @@ def test_all_gather_overlapping_outputs_raise(make, rank, world_size):
 def test_list_outputs_that_are_overlapping_views_raise(fn, rank, world_size):
     """Views of one buffer (not the same object twice) that overlap: the span check, not the identity shortcut.
 
-    (gather's root-only failure is tests/test_role_errors.py's subject.)
+    (gather's root-only failure is tests/hostile/test_role_errors.py's subject.)
     """
     buf = np.zeros(world_size + 1)
     outs = [buf[i : i + 2] for i in range(world_size)]  # neighbours share one element
@@ -1768,7 +1768,7 @@ def test_bfloat16_avg_and_premul_round_once(make, rank, world_size):
     assert_equal(y, exact.astype(BF16))
 
 
-@pytest.mark.skipif(MPI.Get_version() >= (4, 0), reason="an MPI-4 library takes 64-bit counts (tests/test_large.py)")
+@pytest.mark.skipif(MPI.Get_version() >= (4, 0), reason="an MPI-4 library takes 64-bit counts (tests/api/test_large.py)")
 def test_count_limit_of_an_mpi3_library_is_named(rank, world_size):
     """An MPI-3 library (Open MPI 5) refuses a message of 2**31 elements with MPI_ERR_ARG: every rank raises a
     DistBackendError that says why, and the group stays usable (nothing was posted)."""

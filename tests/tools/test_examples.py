@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,11 +10,11 @@ import pytest
 import mpidist as dist
 from mpidist.testing import calls_issued
 
-from helpers import fail_together
+from helpers import REPO, fail_together
 
 pytestmark = pytest.mark.timeout(120)
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def _load(name: str):

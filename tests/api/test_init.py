@@ -597,7 +597,7 @@ def test_malformed_per_device_backend(no_group, name):
 
 def test_nccl_without_cupy_is_rejected(no_group):
     if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("cupy is installed (tests/test_gpu.py covers the nccl backend there)")
+        pytest.skip("cupy is installed (tests/backends/test_gpu.py covers the nccl backend there)")
     expect_init_value_error(r"the nccl backend needs cupy with NCCL bindings", RuntimeError, backend="nccl")
     init()  # nothing was left half-initialized
     check_world_works()

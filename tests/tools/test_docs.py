@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
+ROOT = REPO
 PACKAGE = ROOT / "mpidist"
 
 pytestmark = pytest.mark.timeout(30)

@@ -241,7 +241,7 @@ def test_read_only_outputs_of_list_and_tensor_collectives():
 @pytest.mark.mpi(min_size=2)
 def test_read_only_broadcast_target_on_non_source_ranks():
     """Only the receivers fail (the source does not call here): each refuses the group afterwards,
-    since in a program where the source did call, its data would wait there (tests/test_role_errors.py)."""
+    since in a program where the source did call, its data would wait there (tests/hostile/test_role_errors.py)."""
     g = dist.new_group()
     if RANK != 0:
         problems = check_raises(
@@ -292,7 +292,7 @@ def test_read_only_inputs_are_fine(rank, world_size):
 
 def test_read_only_reduce_target_on_the_destination(rank):
     """Only the destination fails (the others do not call here): it refuses the group afterwards,
-    since in a program where the others did call, their data would wait there (tests/test_role_errors.py)."""
+    since in a program where the others did call, their data would wait there (tests/hostile/test_role_errors.py)."""
     g = dist.new_group()
     if rank == 0:
         problems = check_raises(

@@ -23,11 +23,10 @@ import mpidist as dist
 from mpidist import DistBackendError
 from mpidist.testing import backend_of, calls_issued
 
-from helpers import Checks, check_raises, clean_env, mpiexec_command
+from helpers import REPO, Checks, check_raises, clean_env, mpiexec_command
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
-REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,10 +22,9 @@ from mpi4py import MPI
 
 from mpidist.launch.abort import ABORT_CODE
 
-from helpers import mpiexec_command
+from helpers import REPO, mpiexec_command
 
 RANK = MPI.COMM_WORLD.Get_rank()
-REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 CHILD_TIMEOUT_S = 60
 

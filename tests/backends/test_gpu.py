@@ -4,7 +4,7 @@ Skipped without cupy (with its NCCL bindings), without a CUDA device, and when a
 node runs more ranks than it has GPUs (NCCL needs a GPU per rank): on a machine
 with one GPU run it at ``-n 1``, with N GPUs at up to ``-n N``::
 
-    mpiexec -n 2 python -m pytest -q -p no:cacheprovider tests/test_gpu.py
+    mpiexec -n 2 python -m pytest -q -p no:cacheprovider tests/backends/test_gpu.py
 
 Results are read back with ``cupy.ndarray.get()`` / ``tensor.cpu()``, which run on
 the current stream: that they see the collectives' results checks that blocking
