@@ -439,9 +439,9 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
         TypeError: ``global_rank`` is not an int, or ``group`` not a process group.
 
     Example:
-        >>> g = dist.new_group([1], use_local_synchronization=True) if dist.get_rank() == 1 else None
-        >>> dist.get_group_rank(g, 1) if g else None
-        0  # rank 1
+        >>> rev = dist.new_group([1, 0], sort_ranks=False)
+        >>> dist.get_group_rank(rev, 0)
+        1  # rank 0 and rank 1
     """
     return _member_group(group, "get_group_rank").group_rank(global_rank)
 
