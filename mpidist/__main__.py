@@ -23,6 +23,7 @@ import sys
 from .launch.abort import install_excepthook
 from .launch.boot import launch_mode
 from .launch.environment import fill_environment
+from .launch.from_mpi import torchrun_environment
 
 USAGE = "usage: python -m mpidist script.py [args...] | python -m mpidist -m module [args...]"
 
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0 if argv else 2
     if launch_mode() == "launcher":
-        fill_environment()  # collective: every rank runs this module
+        fill_environment(torchrun_environment())  # collective: every rank runs this module
     # in an srun step that MPI alone cannot connect, import mpidist has set everything from Slurm's variables,
     # and init_process_group forms the world
     install_excepthook()

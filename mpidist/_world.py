@@ -63,7 +63,9 @@ class InitInfo:
     mpi_library: str = ""  # the first line of MPI_Get_library_version
     tag_ub: int = 32767  # the largest tag MPI allows (the standard's minimum until known)
     oversubscribed: bool = True  # more ranks on the node than usable cores (polls yield sooner)
-    abort_on_timeout: bool = False  # MPIDIST_ABORT_ON_TIMEOUT
+    # what a backend calls with a timeout's error before raising it: under MPIDIST_ABORT_ON_TIMEOUT=1,
+    # init_process_group installs one that ends the job (launch/abort.py, a layer the backends do not import)
+    on_timeout: Callable[[BaseException], None] | None = None
     own_store: bool = False  # the default store was opened by mpidist (closed at destroy)
     store_error: str = ""  # why rank 0 could not open a default store
 

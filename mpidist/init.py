@@ -20,6 +20,7 @@ from .backends.registry import Backend, nccl_available, nccl_importable, parse_b
 from .diagnose.debug import set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
+from .launch.abort import abort_after_timeout
 from .launch.boot import (
     launch_mode,
     launcher_label,
@@ -29,7 +30,7 @@ from .launch.boot import (
     start_mpi,
     world_of_one_hint,
 )
-from .launch.environment import root_address
+from .launch.from_mpi import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
 from .work import poll
@@ -239,7 +240,7 @@ def init_process_group(
             mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
             tag_ub=int(control.Get_attr(MPI.TAG_UB)),
             oversubscribed=node.Get_size() > _usable_cpus(),
-            abort_on_timeout=bool(env_flag("MPIDIST_ABORT_ON_TIMEOUT")),
+            on_timeout=abort_after_timeout if env_flag("MPIDIST_ABORT_ON_TIMEOUT") else None,
         )
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         try:
@@ -270,7 +271,7 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     """Rank 0 opens a TCPStore on a free port and tells the others (collective over ``comm``).
 
     It listens on loopback when every rank shares its node, else on the address
-    :func:`~mpidist.launch.environment.root_address` picks (``MASTER_ADDR``, or the
+    :func:`~mpidist.launch.from_mpi.root_address` picks (``MASTER_ADDR``, or the
     interface towards the other hosts; never a loopback one). If rank 0 cannot open
     one, no rank has a default store and ``get_default_store()`` says why; the
     process group works regardless.

@@ -102,9 +102,10 @@ class ProcessGroup:
         #: the live persistent operations made on this group (mpidist.persistent.Persistent), freed by shutdown
         self.persistent: weakref.WeakSet[Any] = weakref.WeakSet()
         if "torch" in sys.modules:  # events in torch's profiler while one runs (no cost per call otherwise)
-            from .diagnose.profiler import watch
+            from .diagnose import profiler
 
-            watch()
+            profiler.register(ProcessGroup, profiler.CORE_METHODS, profiler.core_label)
+            profiler.watch()
 
     # -- routing: each method below takes ``(self._route.get(type(x)) or self._levels(...))[world.debug_level]``
     def _levels(self, fn: str, a: Any, b: Any = None) -> tuple[BaseBackend, ...]:

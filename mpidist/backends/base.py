@@ -33,7 +33,6 @@ import numpy as np
 from .._world import world
 from ..diagnose import stall
 from ..errors import DistBackendError
-from ..launch import abort
 from ..work import SPINS_IDLE_CORES, SPINS_OVERSUBSCRIBED, Work
 
 _NOTHING = contextlib.nullcontext()  # stateless and reentrant: one for every coalescing() that groups nothing
@@ -140,7 +139,8 @@ class BaseBackend(ABC):
 
         It reads what the other members are waiting in from the default store
         (``stall.survey``, three beats: 0.3 to 3 s; never a message to a
-        member, which may be dead) so the message can say who has not arrived. Under ``MPIDIST_ABORT_ON_TIMEOUT=1`` it ends the job instead of returning.
+        member, which may be dead) so the message can say who has not arrived. Under
+        ``MPIDIST_ABORT_ON_TIMEOUT=1``, ``world.init_info.on_timeout`` ends the job instead.
         ``note`` (a sentence) tells what became of the call; ``settled`` means nothing
         of it is left pending (a cancelled receive), so the group is still usable.
         Otherwise the call is recorded as stuck: at exit, a process that still has
@@ -164,8 +164,8 @@ class BaseBackend(ABC):
             f"{op} (call #{seq}) on {self.describe()} did not complete within the timeout of "
             f"{timeout_s:g} s.{where}{' ' + note if note else ''} {end}"
         )
-        if world.init_info.abort_on_timeout:
-            abort.abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
+        if world.init_info.on_timeout is not None:
+            world.init_info.on_timeout(error)  # MPIDIST_ABORT_ON_TIMEOUT=1: ends the job (launch/abort.py)
         return error
 
     def keep_stuck(self, reqs: Any, keep: Any) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 
 from .._world import world
 
-__all__ = ["watch", "status", "register", "Record", "begin"]
+__all__ = ["watch", "status", "register", "Record", "begin", "CORE_METHODS", "core_label"]
 
 _get_ident = threading.get_ident
 
@@ -237,7 +237,8 @@ def _recording(original: Any, op: str, inputs: Callable[[tuple], Iterable[Any]],
     return method
 
 
-def _core_label(pg: Any) -> str:
+def core_label(pg: Any) -> str:
+    """The name mpidist's own ProcessGroup events carry: ``mpidist:all_reduce``."""
     return "mpidist"
 
 
@@ -280,9 +281,6 @@ def watch() -> str:
     with _st().lock:
         if _st().installed:
             return status()
-        from ..process_group import ProcessGroup
-
-        _st().watched.append((ProcessGroup, CORE_METHODS, _core_label))
         import torch.autograd.profiler as prof
 
         start, stop = getattr(prof, "_run_on_profiler_start", None), getattr(prof, "_run_on_profiler_stop", None)

@@ -28,7 +28,7 @@ from typing import Any
 
 from .._world import world
 
-__all__ = ["abort_process_group", "install_excepthook", "excepthook", "rank_label"]
+__all__ = ["abort_process_group", "abort_after_timeout", "install_excepthook", "excepthook", "rank_label"]
 
 #: exit code of a job that mpidist aborted (EX_SOFTWARE)
 ABORT_CODE = 70
@@ -53,6 +53,12 @@ def _say(text: str) -> None:
     prefix = f"[rank {rank_label()}] "
     sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").splitlines()))
     sys.stderr.flush()
+
+
+def abort_after_timeout(error: BaseException) -> None:
+    """End the job after a call timed out (``MPIDIST_ABORT_ON_TIMEOUT=1``; the backends call it through
+    ``world.init_info.on_timeout``), printing ``error`` first."""
+    abort_process_group(None, message=f"{error} Aborting the job (MPIDIST_ABORT_ON_TIMEOUT=1).")
 
 
 def abort_process_group(group: Any = None, errorcode: int = ABORT_CODE, message: str | None = None) -> None:

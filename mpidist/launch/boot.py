@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from .environment import LAUNCHER_FIELDS, fill_environment, launcher_environment
 from .slurm import slurm_step
 
 __all__ = [
@@ -179,8 +180,6 @@ def start_mpi(pmi_env: dict[str, str] | None = None) -> Any:
 
 def launcher_numbers() -> tuple[int, int, str] | None:
     """(rank, size, launcher) as the launcher numbered this process, or None."""
-    from .environment import LAUNCHER_FIELDS  # the one table of the launchers' variable names
-
     step = slurm_step()
     if step is not None:
         return step.rank, step.size, "srun"
@@ -255,8 +254,6 @@ def fill_launcher_environment() -> None:
     """
     if not launched_by_mpi() and slurm_step() is None:
         return
-    from .environment import fill_environment, launcher_environment
-
     fill_environment(launcher_environment())
 
 

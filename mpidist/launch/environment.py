@@ -2,15 +2,16 @@
 
 Programs written for torchrun read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ... from the environment. Under ``mpiexec``, ``mpirun`` or
-``srun`` nobody sets them. :func:`torchrun_environment` derives them from MPI
-(one collective: the shared-memory split gives the local ranks, rank 0 picks a
-free port) and :func:`fill_environment` sets the ones the user has not set;
-a value already in the environment is never overridden.
+``srun`` nobody sets them. :func:`launcher_environment` reads what the
+launcher gives (its own variables, Slurm's step) without any communication;
+:func:`fill_environment` sets the ones the user has not set (a value already
+in the environment is never overridden). What needs MPI (``MASTER_ADDR`` across
+hosts, ``GROUP_RANK``) comes from :mod:`.from_mpi`.
 
 Example (``mpiexec -n 2``)::
 
-    >>> from mpidist.launch.environment import fill_environment
-    >>> fill_environment()
+    >>> from mpidist.launch.environment import fill_environment, launcher_environment
+    >>> fill_environment(launcher_environment())
     >>> os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]
     ('0', '2')
 """
@@ -23,17 +24,14 @@ import random
 import socket
 from typing import Any, Mapping
 
-from .addresses import meeting_address, own_addresses
 from .slurm import slurm_step
 
 __all__ = [
     "TORCHRUN_VARIABLES",
     "LAUNCHER_FIELDS",
     "launcher_environment",
-    "torchrun_environment",
     "fill_environment",
     "free_port",
-    "root_address",
 ]
 
 #: what torchrun sets for every worker, and what this module provides
@@ -79,7 +77,7 @@ def launcher_environment(environ: Mapping[str, str] | None = None) -> dict[str, 
     ``MASTER_PORT`` (derived from the job and step ids). Under another launcher
     started inside a step (hydra's proxies under Slurm), Slurm's describe the
     proxies, so they are ignored. Elsewhere, node ranks and the master's address
-    need the processes to talk: :func:`torchrun_environment`.
+    need the processes to talk: :func:`.from_mpi.torchrun_environment`.
     """
     environ = os.environ if environ is None else environ
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -143,90 +141,13 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def torchrun_environment(comm: Any = None) -> dict[str, str]:
-    """Return torchrun's variables for this process, derived from MPI (collective over ``comm``).
+def fill_environment(values: Mapping[str, str], environ: Any = None) -> dict[str, str]:
+    """Set every variable of ``values`` missing from ``environ`` (default ``os.environ``); return what was set.
 
-    ``comm`` defaults to a private duplicate of ``MPI.COMM_WORLD`` (MPI is
-    initialized if it is not yet). Every process of the communicator must call it.
-    ``MASTER_ADDR`` is ``127.0.0.1`` on one node, else rank 0's address (:func:`root_address`);
-    ``MASTER_PORT`` is rank 0's ``MASTER_PORT`` if it has one, else a free port
-    there. Nodes are numbered by their lowest rank.
-    """
-    from .rendezvous import start_world
-
-    mpi = start_world("torchrun_environment")
-    own = comm is None
-    if own:
-        comm = mpi.COMM_WORLD.Dup()
-    try:
-        rank, size = comm.Get_rank(), comm.Get_size()
-        node = comm.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
-        try:
-            local_rank, local_size = node.Get_rank(), node.Get_size()
-            leader = node.bcast(rank, root=0)  # the lowest rank of this node
-        finally:
-            node.Free()
-        proposal = None
-        if rank == 0:
-            port = os.environ.get("MASTER_PORT", "").strip()
-            proposal = port if port.isdigit() else str(free_port())
-        leaders = sorted(r for r in comm.allgather(rank if local_rank == 0 else None) if r is not None)
-        port = comm.bcast(proposal, root=0)
-        address = root_address(comm, single_node=len(leaders) == 1)
-    finally:
-        if own:
-            comm.Free()
-    if address is None:
-        raise RuntimeError(
-            "torchrun_environment: the ranks span several hosts, but rank 0's host has no address other than "
-            "loopback that they reach; set MASTER_ADDR to an address of rank 0's host that the others reach"
-        )
-    nodes = len(leaders)
-    node_rank = leaders.index(leader)  # nodes numbered by their lowest rank
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_size),
-        "GROUP_RANK": str(node_rank),
-        "NODE_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(nodes),
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": address,
-        "MASTER_PORT": port,
-    }
-
-
-def root_address(comm: Any, single_node: bool) -> str | None:
-    """The address rank 0 advertises to every rank (collective over ``comm``; the same on every rank).
-
-    ``127.0.0.1`` on one node; across hosts ``MASTER_ADDR`` if rank 0 resolves it to
-    an address that is not loopback, else the address of rank 0's interface
-    towards the ranks on other hosts (never ``gethostbyname(gethostname())``: that
-    is ``127.0.1.1`` on Debian). None on every rank when rank 0 has none.
-    """
-    if single_node:
-        return "127.0.0.1"
-    hostname = socket.gethostname()
-    gathered = comm.gather((hostname, own_addresses()), root=0)
-    address = None
-    if comm.Get_rank() == 0:
-        peers = [a for host, addresses in gathered for a in addresses if host != hostname]
-        address = meeting_address(os.environ.get("MASTER_ADDR", "").strip() or None, peers)
-    return comm.bcast(address, root=0)
-
-
-def fill_environment(values: Mapping[str, str] | None = None, environ: Any = None) -> dict[str, str]:
-    """Set every torchrun variable missing from ``environ`` (default ``os.environ``); return what was set.
-
-    ``values`` defaults to :func:`torchrun_environment` (collective: every
-    process must call this). Values the user set are never changed.
+    Values the user set are never changed. ``values`` come from
+    :func:`launcher_environment` or :func:`~mpidist.launch.from_mpi.torchrun_environment`.
     """
     environ = os.environ if environ is None else environ
-    if values is None:
-        values = torchrun_environment()
     added = {k: v for k, v in values.items() if not environ.get(k, "").strip()}
     environ.update(added)
     return added

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..diagnose import profiler
+from ..process_group import ProcessGroup
 
 __all__ = ["METHODS", "watch"]
 
@@ -79,5 +80,6 @@ def _label(pg: Any) -> str:
 
 def watch(cls: type) -> str:
     """Record events for ``cls`` (ProcessGroupMPIDist) while a torch profiler runs; return the status."""
+    profiler.register(ProcessGroup, profiler.CORE_METHODS, profiler.core_label)
     profiler.register(cls, METHODS, _label)
     return profiler.watch()
