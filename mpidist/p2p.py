@@ -52,6 +52,38 @@ def isend(
     """Start sending ``tensor`` to ``dst``; returns a Work (None if not a member of ``group``).
 
     Do not modify ``tensor`` until the Work completes.
+
+    Args:
+        tensor: The array to send (numpy, torch tensor or GPU array).
+        dst: The receiving rank, as a global rank. Give ``dst`` or ``group_dst``.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        tag: Matches this message with a receive of the same tag (from 0 to MPI's
+            ``MPI_TAG_UB``).
+        group_dst: The receiving rank as a rank of ``group``, instead of ``dst``.
+
+    Returns:
+        A ``Work``; its ``wait()`` returns once ``tensor`` may be reused. None on
+        ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``dst``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: neither or both of ``dst`` and ``group_dst`` are given, or
+            ``tag`` is out of range.
+        RankNotInGroupError: ``dst`` is not a member of ``group``, or ``group_dst``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> out, inp = np.full(2, r), np.empty(2, np.int64)
+        >>> works = [dist.isend(out, dst=1 - r), dist.irecv(inp, src=1 - r)]
+        >>> [w.wait() for w in works]
+        [True, True]
+        >>> inp
+        array([1, 1])  # rank 0
+        array([0, 0])  # rank 1
     """
     pg = resolve_group(group, "isend")
     if pg is None:
@@ -62,7 +94,46 @@ def isend(
 def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
-    """Start receiving into ``tensor`` from ``src`` (any rank if None); returns a Work."""
+    """Start receiving into ``tensor`` from ``src`` (any rank if None); returns a Work.
+
+    The message must have exactly ``tensor``'s size: one of another size fails the
+    Work with a ValueError (having written its first elements into ``tensor``).
+
+    Args:
+        tensor: The array to receive into.
+        src: The sending rank, as a global rank; None (and no ``group_src``)
+            takes a message from any rank.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        tag: Matches this message with a receive of the same tag (from 0 to MPI's
+            ``MPI_TAG_UB``).
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+
+    Returns:
+        A ``Work``; after ``wait()``, ``source_rank()`` is the sender's group rank.
+        None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``src``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: both ``src`` and ``group_src`` are given, ``tag`` is out of
+            range, or ``tensor`` is read-only.
+        RankNotInGroupError: ``src`` is not a member of ``group``, or ``group_src``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+
+    Example:
+        >>> x = np.zeros(3)
+        >>> if dist.get_rank() == 0:
+        ...     dist.send(np.ones(3), dst=1)
+        ... else:
+        ...     work = dist.irecv(x)  # from any rank
+        ...     work.wait(), work.source_rank()
+        (True, 0)  # rank 1
+        >>> x
+        array([0., 0., 0.])  # rank 0
+        array([1., 1., 1.])  # rank 1
+    """
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None
@@ -75,12 +146,36 @@ def send(
 ) -> None:
     """Send ``tensor`` to ``dst`` and wait until the send buffer may be reused.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: The array to send (numpy, torch tensor or GPU array).
+        dst: The receiving rank, as a global rank. Give ``dst`` or ``group_dst``.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        tag: Matches this message with a receive of the same tag (from 0 to MPI's
+            ``MPI_TAG_UB``).
+        group_dst: The receiving rank as a rank of ``group``, instead of ``dst``.
 
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``dst``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: ``dst`` is this rank itself (it would deadlock: use ``isend``),
+            neither or both of ``dst`` and ``group_dst`` are given, or ``tag`` is out
+            of range.
+        RankNotInGroupError: ``dst`` is not a member of ``group``, or ``group_dst``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the send did not complete within the group's timeout,
+            or MPI failed.
+
+    Example:
+        >>> x = np.arange(4.0) if dist.get_rank() == 0 else np.zeros(4)
         >>> if dist.get_rank() == 0:
-        ...     dist.send(np.arange(4.0), dst=1)
+        ...     dist.send(x, dst=1)
         ... else:
-        ...     x = np.empty(4); dist.recv(x, src=0)     # returns 0
+        ...     dist.recv(x, src=0)
+        0  # rank 1: the sender's rank
+        >>> x
+        array([0., 1., 2., 3.])  # rank 0 and rank 1
     """
     pg = resolve_group(group, "send")
     if pg is None:
@@ -97,6 +192,42 @@ def recv(
     """Receive into ``tensor`` from ``src`` (any rank if None); return the sender's global rank.
 
     Returns -1 if this rank is not a member of ``group``.
+
+    Args:
+        tensor: The array to receive into; the message must have exactly its size.
+        src: The sending rank, as a global rank; None (and no ``group_src``)
+            takes a message from any rank.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        tag: Matches this message with a receive of the same tag (from 0 to MPI's
+            ``MPI_TAG_UB``).
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+
+    Returns:
+        The sender's global rank; -1 on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``src``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: the message has another size than ``tensor`` (``tensor`` is
+            left untouched), ``src`` is this rank itself, both ``src`` and
+            ``group_src`` are given, ``tag`` is out of range, or ``tensor`` is
+            read-only.
+        RankNotInGroupError: ``src`` is not a member of ``group``, or ``group_src``
+            is out of range.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: no message came within the group's timeout (the
+            receive is withdrawn and the group stays usable), or MPI failed.
+
+    Example:
+        >>> x = np.array([1.0, 2.0]) if dist.get_rank() == 1 else np.zeros(2)
+        >>> if dist.get_rank() == 1:
+        ...     dist.send(x, dst=0)
+        ... else:
+        ...     dist.recv(x)  # from any rank
+        1  # rank 0: the sender's rank
+        >>> x
+        array([1., 2.])  # rank 0 and rank 1
     """
     pg = resolve_group(group, "recv")
     if pg is None:
@@ -115,14 +246,35 @@ def recv(
 class P2POp:
     """One operation for :func:`batch_isend_irecv`: ``op`` is ``isend`` or ``irecv``.
 
-    Example (``mpiexec -n 2``)::
+    The arguments are checked when it is made, as torch does.
 
+    Args:
+        op: ``mpidist.isend`` or ``mpidist.irecv``.
+        tensor: The array to send, or to receive into.
+        peer: The other rank, as a global rank. Give ``peer`` or ``group_peer``.
+        group: The group; None is the default group. ``batch_isend_irecv`` skips
+            the operation on ranks outside it.
+        tag: Matches a send with a receive of the same tag.
+        group_peer: The other rank as a rank of ``group``, instead of ``peer``.
+
+    Raises:
+        ValueError: ``op`` is neither ``isend`` nor ``irecv``, neither or both of
+            ``peer`` and ``group_peer`` are given, or ``tag`` is out of range.
+        TypeError: ``tensor`` is not an array, or ``peer``, ``tag`` or ``group``
+            has the wrong type.
+        RankNotInGroupError: ``peer`` is not a member of ``group``, or
+            ``group_peer`` is out of range.
+
+    Example:
         >>> rank, n = dist.get_rank(), dist.get_world_size()
         >>> out, inp = np.arange(2) + 2 * rank, np.empty(2, np.int64)
         >>> reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, (rank + 1) % n),
         ...                                dist.P2POp(dist.irecv, inp, (rank - 1) % n)])
-        >>> for r in reqs: r.wait()
-        >>> inp                        # [2, 3] on rank 0, [0, 1] on rank 1
+        >>> [r.wait() for r in reqs]
+        [True, True]
+        >>> inp
+        array([2, 3])  # rank 0
+        array([0, 1])  # rank 1
     """
 
     __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
@@ -171,6 +323,30 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
 
     All operations are validated before any is posted. Ranks pair up their
     operations in list order per peer, as with ``isend``/``irecv``.
+
+    Args:
+        p2p_op_list: A non-empty list of ``P2POp``, all on the same group.
+
+    Returns:
+        One ``Work`` per operation, in order; an empty list on ranks outside the
+        group.
+
+    Raises:
+        ValueError: ``p2p_op_list`` is empty, not a list of ``P2POp``, mixes
+            groups, or an output is read-only.
+        TypeError: an array has an unsupported dtype.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+
+    Example:
+        >>> r = dist.get_rank()
+        >>> got = np.empty(1, np.int64)
+        >>> works = dist.batch_isend_irecv([dist.P2POp(dist.isend, np.array([r]), 1 - r),
+        ...                                 dist.P2POp(dist.irecv, got, 1 - r)])
+        >>> [w.wait() for w in works]
+        [True, True]
+        >>> got
+        array([1])  # rank 0
+        array([0])  # rank 1
     """
     fn = "batch_isend_irecv"
     if not isinstance(p2p_op_list, list) or not p2p_op_list:
