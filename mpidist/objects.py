@@ -102,12 +102,34 @@ def broadcast_object_list(
     compatibility. Large arrays and CPU tensors in the objects arrive without a copy
     (see the module's docstring). Unpickles data from ``src``: use only with trusted peers.
 
-    Example (``mpiexec -n 3``)::
+    Args:
+        object_list: On ``src``, the picklable objects to send; elsewhere a list
+            of the same length, whose items are replaced by them.
+        src: The sending rank, as a global rank; None means global rank 0.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        device: Accepted for torch compatibility; unused.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
 
+    Raises:
+        TypeError: ``object_list`` is not a list, or a rank or ``group`` has the
+            wrong type.
+        ValueError: a receiver's list has another length than the source's (with
+            ``MPIDIST_DEBUG=DETAIL`` every rank raises it), or both ``src`` and
+            ``group_src`` are given.
+        RankNotInGroupError: ``src`` is not a member of ``group``.
+        pickle.PicklingError: an object could not be pickled (or the TypeError,
+            AttributeError, ... pickling raised); every rank of the call raises it,
+            nothing is sent and the group stays usable.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
         >>> objs = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None] * 3
         >>> dist.broadcast_object_list(objs, src=0)
         >>> objs
-        ['foo', 12, {1: 2}]
+        ['foo', 12, {1: 2}]  # rank 0 and rank 1
     """
     fn = "broadcast_object_list"
     pg = resolve_group(group, fn)
@@ -173,12 +195,28 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     Large arrays and CPU tensors in the objects arrive without a copy (see the
     module's docstring). Unpickles data from every rank: use only with trusted peers.
 
-    Example (``mpiexec -n 3``)::
+    Args:
+        object_list: A list with one slot per rank of the group; slot ``i`` gets
+            rank ``i``'s ``obj``.
+        obj: This rank's picklable object.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
 
-        >>> out = [None] * 3
-        >>> dist.all_gather_object(out, ["foo", 12, {1: 2}][dist.get_rank()])
+    Raises:
+        TypeError: ``object_list`` is not a list, or ``group`` has the wrong type.
+        ValueError: ``object_list`` does not have one slot per rank.
+        pickle.PicklingError: an object could not be pickled (or the TypeError,
+            AttributeError, ... pickling raised); every rank of the call raises it,
+            nothing is sent and the group stays usable.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
+        >>> out = [None] * dist.get_world_size()
+        >>> dist.all_gather_object(out, {"rank": dist.get_rank()})
         >>> out
-        ['foo', 12, {1: 2}]
+        [{'rank': 0}, {'rank': 1}]  # rank 0 and rank 1
     """
     fn = "all_gather_object"
     pg = resolve_group(group, fn)
@@ -203,6 +241,35 @@ def gather_object(
 
     ``object_gather_list`` has one slot per rank on ``dst`` and is None elsewhere.
     Unpickles data from every rank: use only with trusted peers.
+
+    Args:
+        obj: This rank's picklable object.
+        object_gather_list: On ``dst``, a list with one slot per rank; None on the
+            other ranks.
+        dst: The gathering rank, as a global rank; None means global rank 0.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        group_dst: The gathering rank as a rank of ``group``, instead of ``dst``.
+
+    Raises:
+        TypeError: ``object_gather_list`` is not a list on ``dst``, or a rank or
+            ``group`` has the wrong type.
+        ValueError: ``object_gather_list`` does not have one slot per rank on
+            ``dst`` or is given elsewhere (every rank raises it), or both ``dst``
+            and ``group_dst`` are given.
+        RankNotInGroupError: ``dst`` is not a member of ``group``.
+        pickle.PicklingError: an object could not be pickled (or the TypeError,
+            AttributeError, ... pickling raised); every rank of the call raises it,
+            nothing is sent and the group stays usable.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
+        >>> out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        >>> dist.gather_object(dist.get_rank() * 10, out, dst=0)
+        >>> out
+        [0, 10]  # rank 0 (rank 1: None)
     """
     fn = "gather_object"
     pg = resolve_group(group, fn)
@@ -256,6 +323,39 @@ def scatter_object_list(
 
     Each rank finds its object in ``scatter_object_output_list[0]`` (a non-empty
     list). Unpickles data from ``src``: use only with trusted peers.
+
+    Args:
+        scatter_object_output_list: A non-empty list; its first slot receives
+            this rank's object.
+        scatter_object_input_list: On ``src``, one picklable object per rank of
+            the group; ignored elsewhere.
+        src: The sending rank, as a global rank; None means global rank 0.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+
+    Raises:
+        TypeError: ``scatter_object_output_list`` is not a list, or
+            ``scatter_object_input_list`` is not a list on ``src``; a rank or
+            ``group`` has the wrong type.
+        ValueError: ``scatter_object_output_list`` is empty, or
+            ``scatter_object_input_list`` does not have one object per rank (every
+            rank raises the source's error).
+        RankNotInGroupError: ``src`` is not a member of ``group``.
+        pickle.PicklingError: an object could not be pickled (or the TypeError,
+            AttributeError, ... pickling raised); every rank of the call raises it,
+            nothing is sent and the group stays usable.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
+        >>> out = [None]
+        >>> objs = [{"part": 0}, {"part": 1}] if dist.get_rank() == 0 else None
+        >>> dist.scatter_object_list(out, objs, src=0)
+        >>> out[0]
+        {'part': 0}  # rank 0
+        {'part': 1}  # rank 1
     """
     fn = "scatter_object_list"
     pg = resolve_group(group, fn)
@@ -328,7 +428,39 @@ def send_object_list(
     group_dst: int | None = None,
     use_batch: bool = False,
 ) -> None:
-    """Send the objects of ``object_list`` to ``dst`` (matched by ``recv_object_list``)."""
+    """Send the objects of ``object_list`` to ``dst`` (matched by ``recv_object_list``).
+
+    Args:
+        object_list: The picklable objects to send.
+        dst: The receiving rank, as a global rank. Give ``dst`` or ``group_dst``.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        device: Accepted for torch compatibility; unused.
+        group_dst: The receiving rank as a rank of ``group``, instead of ``dst``.
+        use_batch: Accepted for torch compatibility; unused.
+
+    Raises:
+        TypeError: ``object_list`` is not a list, or a rank or ``group`` has the
+            wrong type.
+        ValueError: ``dst`` is this rank itself, or neither or both of ``dst`` and
+            ``group_dst`` are given.
+        RankNotInGroupError: ``dst`` is not a member of ``group``.
+        pickle.PicklingError: an object could not be pickled (or the error
+            pickling raised); nothing is sent.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
+        >>> objs = [{"step": 3}, "done"] if dist.get_rank() == 0 else [None, None]
+        >>> if dist.get_rank() == 0:
+        ...     dist.send_object_list(objs, dst=1)
+        ... else:
+        ...     dist.recv_object_list(objs, src=0)
+        0  # rank 1: the sender's rank
+        >>> objs
+        [{'step': 3}, 'done']  # rank 0 and rank 1
+    """
     fn = "send_object_list"
     pg = resolve_group(group, fn)
     if pg is None:
@@ -360,6 +492,41 @@ def recv_object_list(
     """Receive objects sent by ``send_object_list`` into ``object_list``; return the sender's global rank.
 
     Unpickles data from the sender: use only with trusted peers.
+
+    Args:
+        object_list: A list with as many slots as the sender's list; its items are
+            replaced by the objects received.
+        src: The sending rank, as a global rank; None (and no ``group_src``)
+            takes the objects of any rank.
+        group: The group; None is the default group. On ranks outside it the call
+            does nothing.
+        device: Accepted for torch compatibility; unused.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+        use_batch: Accepted for torch compatibility; unused.
+
+    Returns:
+        The sender's global rank; -1 on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``object_list`` is not a list, or a rank or ``group`` has the
+            wrong type.
+        ValueError: ``object_list`` has another length than the list sent, ``src``
+            is this rank itself, or both ``src`` and ``group_src`` are given.
+        RankNotInGroupError: ``src`` is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: the call did not complete within the group's timeout, or
+            MPI failed.
+
+    Example:
+        >>> objs = [None]
+        >>> if dist.get_rank() == 1:
+        ...     dist.send_object_list([np.arange(3)], dst=0)
+        ... else:
+        ...     dist.recv_object_list(objs)
+        1  # rank 0: the sender's rank
+        >>> objs
+        [array([0, 1, 2])]  # rank 0
+        [None]  # rank 1
     """
     fn = "recv_object_list"
     pg = resolve_group(group, fn)
