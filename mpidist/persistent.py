@@ -79,6 +79,15 @@ class Persistent:
 
     The arrays stay referenced as long as the operation exists. Starting a running
     operation, and ``wait()`` before the first ``start()``, raise RuntimeError.
+
+    Example:
+        >>> x = np.ones(3)
+        >>> with dist.all_reduce_init(x) as p:
+        ...     for step in range(2):
+        ...         x[:] = step
+        ...         _ = p.start().wait()
+        >>> x
+        array([2., 2., 2.])  # rank 0 and rank 1
     """
 
     __slots__ = ("_go", "_test", "_post", "_state", "_plan", "_arrays", "_exc", "_stuck", "_pg", "_gone",
@@ -110,7 +119,26 @@ class Persistent:
 
     # -- the hot path: start() and wait() of a run that needs nothing else ----------------------
     def start(self) -> Persistent:
-        """Start a run; return the operation. Collective for collectives (see the class docstring)."""
+        """Start a run; return the operation. Collective for collectives (see the class docstring).
+
+        Returns:
+            The operation itself, so that ``p.start().wait()`` reads as one step.
+
+        Raises:
+            RuntimeError: the operation is running (``wait()`` first), has been
+                freed, or failed earlier.
+            DistError: its group refuses calls on this rank (an earlier call failed
+                on this rank alone).
+            DistBackendError: MPI failed to start it (it cannot run again).
+
+        Example:
+            >>> x = np.full(2, float(dist.get_rank()))
+            >>> p = dist.all_reduce_init(x)
+            >>> p.start().wait()
+            True
+            >>> x
+            array([1., 1.])  # rank 0 and rank 1
+        """
         if self._state or world.debug_level:  # not between runs, or traced: the checked path
             return self._start_checked()
         try:
@@ -121,7 +149,29 @@ class Persistent:
         return self
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block until the run completes (within the group's timeout, or ``timeout``); return True."""
+        """Block until the run completes (within the group's timeout, or ``timeout``); return True.
+
+        Args:
+            timeout: This wait's limit, a ``datetime.timedelta`` or seconds; None
+                means the group's timeout.
+
+        Returns:
+            True; the outputs hold the run's results.
+
+        Raises:
+            RuntimeError: the operation has not been started or has been freed.
+            TypeError: ``timeout`` is neither a timedelta nor a number.
+            ValueError: ``timeout`` is negative or NaN; for a receive, the message
+                had another size than the array.
+            DistBackendError: the run did not complete within the timeout (the
+                operation cannot run again: free it), or MPI failed.
+
+        Example:
+            >>> x = np.ones(2)
+            >>> p = dist.all_reduce_init(x).start()
+            >>> p.wait(timeout=60)
+            True
+        """
         if self._state != _ACTIVE or timeout is not None:
             return self._wait_checked(timeout)
         try:
@@ -141,6 +191,21 @@ class Persistent:
 
         True as well after a failure (``wait()`` raises its error). Before the first
         start and after ``free()``: RuntimeError.
+
+        Returns:
+            True once the run has completed (or failed), False while it is going;
+            True between runs.
+
+        Raises:
+            RuntimeError: the operation has not been started or has been freed.
+
+        Example:
+            >>> x = np.ones(1 << 16)
+            >>> p = dist.all_reduce_init(x).start()
+            >>> while not p.is_completed():
+            ...     pass  # compute here
+            >>> x[:2]
+            array([2., 2.])  # rank 0 and rank 1
         """
         if self._state != _ACTIVE:
             self._refuse_inactive("is_completed")
@@ -275,6 +340,16 @@ class Persistent:
 
         Raises RuntimeError while a run is going (MPI cannot free a running
         collective): ``wait()`` for it first.
+
+        Raises:
+            RuntimeError: a run is going.
+
+        Example:
+            >>> p = dist.all_reduce_init(np.ones(2))
+            >>> p.free()
+            >>> p.start()
+            Traceback (most recent call last):
+            RuntimeError: Persistent.start: all_reduce_init float64[2] op=SUM (call #... on group 0) has been freed; make a new one with all_reduce_init
         """
         if self._state == _ACTIVE:
             raise RuntimeError(
@@ -440,14 +515,36 @@ def broadcast_init(
     ``*_init`` calls and collectives. Each ``start()`` sends the root's current
     values; after ``wait()`` every rank's ``tensor`` holds them.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: On ``src``, the data each run sends; elsewhere, the array that
+            receives it.
+        src: The sending rank, as a global rank. Give ``src`` or ``group_src``.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
 
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or a rank or
+            ``group`` has the wrong type.
+        ValueError: neither or both of ``src`` and ``group_src`` are given, or a
+            receiving ``tensor`` is read-only.
+        RankNotInGroupError: ``src`` is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
         >>> x = np.zeros(3)
         >>> with dist.broadcast_init(x, src=0) as p:
         ...     for step in range(3):
         ...         if dist.get_rank() == 0:
         ...             x[:] = step
-        ...         p.start().wait()            # x == [step, step, step] on every rank
+        ...         _ = p.start().wait()
+        >>> x
+        array([2., 2., 2.])  # rank 0 and rank 1
     """
     fn = "broadcast_init"
     pg = world.default_pg if group is None else resolve_group(group, fn)
@@ -470,13 +567,32 @@ def all_reduce_init(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | N
     ``*_init`` calls and collectives. Each ``start()`` reduces what ``tensor`` holds
     then; after ``wait()`` it holds the result on every rank.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: Each rank's input, overwritten with the result by every run.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
 
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, ``op`` is not
+            a reduction, or ``group`` has the wrong type.
+        ValueError: ``op`` is not defined for the dtype, or ``tensor`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
         >>> x = np.zeros(2)
         >>> p = dist.all_reduce_init(x, op=dist.ReduceOp.SUM)
         >>> for step in range(3):
         ...     x[:] = dist.get_rank() + step
-        ...     p.start().wait()                  # x == [1 + 2 * step] * 2 everywhere
+        ...     _ = p.start().wait()
+        >>> x
+        array([5., 5.])  # rank 0 and rank 1: (0 + 2) + (1 + 2)
         >>> p.free()
     """
     fn = "all_reduce_init"
@@ -501,6 +617,37 @@ def reduce_init(
     Collective, made by every rank in the same order. After each ``wait()`` the
     destination's ``tensor`` holds the reduction of what every rank's held at its
     ``start()``; the other ranks' arrays are left unchanged.
+
+    Args:
+        tensor: Each rank's input; on ``dst`` overwritten with the result.
+        dst: The rank that gets the result, as a global rank. Give ``dst`` or
+            ``group_dst``.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum`` (see
+            ``all_reduce``).
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+        group_dst: The rank that gets the result as a rank of ``group``.
+
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, ``op`` is not
+            a reduction, or a rank or ``group`` has the wrong type.
+        ValueError: neither or both of ``dst`` and ``group_dst`` are given, ``op``
+            is not defined for the dtype, or ``tensor`` is read-only on ``dst``.
+        RankNotInGroupError: ``dst`` is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
+        >>> x = np.full(2, dist.get_rank() + 1)
+        >>> with dist.reduce_init(x, dst=0) as p:
+        ...     _ = p.start().wait()
+        >>> x
+        array([3, 3])  # rank 0
+        array([2, 2])  # rank 1 (unchanged)
     """
     fn = "reduce_init"
     pg = world.default_pg if group is None else resolve_group(group, fn)
@@ -522,7 +669,34 @@ def all_gather_into_tensor_init(
 ) -> Persistent | None:
     """Make a persistent ``all_gather_into_tensor``: every run gathers each rank's ``input_tensor`` into
     ``output_tensor`` (``world_size`` times the input's elements). Collective, made by every rank in the
-    same order."""
+    same order.
+
+    Args:
+        output_tensor: The output: the inputs in rank order, concatenated or
+            stacked (see ``all_gather_into_tensor``).
+        input_tensor: This rank's input; each run sends what it holds then.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the dtypes
+            differ, or ``group`` has the wrong type.
+        ValueError: ``output_tensor`` has the wrong size or shape, or is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
+        >>> x, out = np.zeros(2), np.zeros(4)
+        >>> with dist.all_gather_into_tensor_init(out, x) as p:
+        ...     x[:] = dist.get_rank()
+        ...     _ = p.start().wait()
+        >>> out
+        array([0., 0., 1., 1.])  # rank 0 and rank 1
+    """
     fn = "all_gather_into_tensor_init"
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -543,7 +717,36 @@ def reduce_scatter_tensor_init(
 ) -> Persistent | None:
     """Make a persistent ``reduce_scatter_tensor``: every run reduces ``input`` (``world_size`` times
     ``output``'s elements) across ranks and leaves block ``i`` of the result in rank ``i``'s ``output``.
-    Collective, made by every rank in the same order."""
+    Collective, made by every rank in the same order.
+
+    Args:
+        output: The output: this rank's block of the reduction.
+        input: This rank's input, ``world_size`` blocks shaped like ``output``
+            (see ``reduce_scatter_tensor``); each run reads what it holds then.
+        op: How to combine: a ``ReduceOp`` or an op from ``make_premul_sum``.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the dtypes
+            differ, ``op`` is not a reduction, or ``group`` has the wrong type.
+        ValueError: ``input`` has the wrong size or shape, ``op`` is not defined
+            for the dtype, or ``output`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
+        >>> out = np.zeros(2, np.int64)
+        >>> with dist.reduce_scatter_tensor_init(out, np.arange(4)) as p:
+        ...     _ = p.start().wait()
+        >>> out
+        array([0, 2])  # rank 0
+        array([4, 6])  # rank 1
+    """
     fn = "reduce_scatter_tensor_init"
     pg = world.default_pg if group is None else resolve_group(group, fn)
     if pg is None:
@@ -571,6 +774,35 @@ def all_to_all_single_init(
 
     Collective, made by every rank in the same order; the split sizes are fixed
     when it is made. Each run sends ``input``'s current rows.
+
+    Args:
+        output: The output: the blocks received, in rank order.
+        input: This rank's input, of ``output``'s dtype and row shape.
+        output_split_sizes: Rows received from each rank, or None for an even
+            split (see ``all_to_all_single``).
+        input_split_sizes: Rows sent to each rank, or None for an even split.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+
+    Returns:
+        A ``Persistent`` to run with ``start()`` and ``wait()``; None on ranks
+        outside ``group``.
+
+    Raises:
+        TypeError: an argument is not an array of a supported dtype, the dtypes
+            differ, a split size is not an int, or ``group`` has the wrong type.
+        ValueError: the split sizes do not fit the arrays (see
+            ``all_to_all_single``), or ``output`` is read-only.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+        DistBackendError: MPI failed to make the operation.
+
+    Example:
+        >>> out = np.empty(4, np.int64)
+        >>> with dist.all_to_all_single_init(out, np.arange(4) + 4 * dist.get_rank()) as p:
+        ...     _ = p.start().wait()
+        >>> out
+        array([0, 1, 4, 5])  # rank 0
+        array([2, 3, 6, 7])  # rank 1
     """
     fn = "all_to_all_single_init"
     pg = world.default_pg if group is None else resolve_group(group, fn)
@@ -593,8 +825,26 @@ def send_init(
     Each ``start()`` is like ``isend`` and ``wait()`` like its ``Work.wait()``:
     do not modify ``tensor`` in between.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        tensor: The array to send; each run sends what it holds then.
+        dst: The receiving rank, as a global rank. Give ``dst`` or ``group_dst``.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+        tag: Matches each message with a receive of the same tag.
+        group_dst: The receiving rank as a rank of ``group``, instead of ``dst``.
 
+    Returns:
+        A ``Persistent``; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``dst``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: neither or both of ``dst`` and ``group_dst`` are given, or
+            ``tag`` is out of range.
+        RankNotInGroupError: ``dst`` is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+
+    Example:
         >>> x = np.zeros(4)
         >>> if dist.get_rank() == 0:
         ...     p = dist.send_init(x, dst=1)
@@ -603,7 +853,9 @@ def send_init(
         >>> for step in range(3):
         ...     if dist.get_rank() == 0:
         ...         x[:] = step
-        ...     p.start().wait()                    # rank 1: x == [step] * 4
+        ...     _ = p.start().wait()
+        >>> x
+        array([2., 2., 2., 2.])  # rank 0 and rank 1
     """
     fn = "send_init"
     pg = resolve_group(group, fn)
@@ -623,6 +875,38 @@ def recv_init(
     Each run receives one message, which must have ``tensor``'s size (else
     ``wait()`` raises ValueError, as ``irecv``'s Work does). A run that times out is
     cancelled if no message has matched it.
+
+    Args:
+        tensor: The array each run receives into.
+        src: The sending rank, as a global rank; None (and no ``group_src``)
+            takes a message from any rank.
+        group: The group; None is the default group. On ranks outside it nothing
+            is made and None is returned.
+        tag: Matches each message with a send of the same tag.
+        group_src: The sending rank as a rank of ``group``, instead of ``src``.
+
+    Returns:
+        A ``Persistent``; None on ranks outside ``group``.
+
+    Raises:
+        TypeError: ``tensor`` is not an array of a supported dtype, or ``src``,
+            ``tag`` or ``group`` has the wrong type.
+        ValueError: both ``src`` and ``group_src`` are given, ``tag`` is out of
+            range, or ``tensor`` is read-only.
+        RankNotInGroupError: ``src`` is not a member of ``group``.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
+
+    Example:
+        >>> x = np.zeros(2)
+        >>> if dist.get_rank() == 0:
+        ...     p = dist.recv_init(x)  # from any rank
+        ... else:
+        ...     p = dist.send_init(np.array([7.0, 8.0]), dst=0)
+        >>> p.start().wait()
+        True
+        >>> x
+        array([7., 8.])  # rank 0
+        array([0., 0.])  # rank 1
     """
     fn = "recv_init"
     pg = resolve_group(group, fn)
