@@ -96,7 +96,7 @@ def broadcast(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(3.0) if dist.get_rank() == 0 else np.zeros(3)
         >>> dist.broadcast(x, src=0)
         >>> x
@@ -151,7 +151,7 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
         >>> x
         array([1, 2])  # rank 0
@@ -218,7 +218,7 @@ def reduce(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
         >>> dist.reduce(x, dst=0)
         >>> x
@@ -276,7 +276,7 @@ def all_gather(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
         >>> out = [np.zeros(2, np.int64) for _ in range(dist.get_world_size())]
         >>> dist.all_gather(out, x)
@@ -331,7 +331,7 @@ def all_gather_into_tensor(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
         >>> out = np.zeros(2 * dist.get_world_size(), np.int64)
         >>> dist.all_gather_into_tensor(out, x)
@@ -436,7 +436,7 @@ def gather(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.arange(2) + 1 + 2 * dist.get_rank()
         >>> out = [np.zeros(2, np.int64) for _ in range(2)] if dist.get_rank() == 0 else None
         >>> dist.gather(x, out, dst=0)
@@ -500,7 +500,7 @@ def scatter(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> x = np.zeros(2, np.int64)
         >>> parts = [np.array([1, 2]), np.array([3, 4])] if dist.get_rank() == 0 else None
         >>> dist.scatter(x, parts, src=0)
@@ -555,7 +555,7 @@ def reduce_scatter(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> inputs = [np.array([1, 2]) + 10 * r, np.array([3, 4]) + 10 * r]
         >>> out = np.zeros(2, np.int64)
@@ -615,7 +615,7 @@ def reduce_scatter_tensor(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> out = np.zeros(2, np.int64)
         >>> dist.reduce_scatter_tensor(out, np.arange(4))
         >>> out
@@ -692,7 +692,7 @@ def all_to_all_single(
     expects 3) are not caught at the default debug level; ``MPIDIST_DEBUG=DETAIL``
     catches them.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> out = np.empty(4, np.int64)
         >>> dist.all_to_all_single(out, np.arange(4) + 4 * r)
@@ -762,7 +762,7 @@ def all_to_all(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> inputs = [np.array([10 * r]), np.array([10 * r + 1])]
         >>> outputs = [np.zeros(1, np.int64), np.zeros(1, np.int64)]
@@ -823,7 +823,7 @@ def barrier(
             (the message names them), or MPI failed. With ``async_op=True``,
             ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> dist.barrier()
         >>> dist.barrier(timeout=10)  # DistBackendError if a rank is not there within 10 s
     """
@@ -897,7 +897,7 @@ def all_reduce_coalesced(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> a, b = np.ones(2), np.full(3, float(dist.get_rank()))
         >>> dist.all_reduce_coalesced([a, b])
         >>> a, b
@@ -960,7 +960,7 @@ def all_gather_coalesced(
             message names the ranks that have not arrived), or MPI failed. With
             ``async_op=True``, ``Work.wait()`` raises it instead.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> inputs = [np.array([r]), np.array([10 * r, 10 * r])]
         >>> outputs = [[np.zeros(1, np.int64), np.zeros(2, np.int64)] for _ in range(2)]

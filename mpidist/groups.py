@@ -213,7 +213,7 @@ def new_group(
         DistBackendError: not every rank called ``new_group`` within the default
             group's timeout.
 
-    Example:
+    Examples:
         >>> odd = dist.new_group([1, 3])  # under mpiexec -n 4
         >>> dist.get_rank(odd)
         -1  # rank 0 and rank 2
@@ -320,7 +320,7 @@ def new_subgroups(
         DistBackendError: not every member of ``group`` called it within the
             group's timeout.
 
-    Example:
+    Examples:
         >>> mine, subgroups = dist.new_subgroups(2)  # under mpiexec -n 4: {0, 1} and {2, 3}
         >>> dist.get_process_group_ranks(mine)
         [0, 1]  # rank 0 and rank 1
@@ -386,7 +386,7 @@ def new_subgroups_by_enumeration(
         DistBackendError: not every rank called it within the default group's
             timeout.
 
-    Example:
+    Examples:
         >>> mine, subgroups = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])  # mpiexec -n 4
         >>> dist.get_process_group_ranks(mine)
         [0, 2]  # rank 0 and rank 2
@@ -438,7 +438,7 @@ def get_group_rank(group: ProcessGroup | None, global_rank: int) -> int:
         ValueError: this rank is not a member of ``group``.
         TypeError: ``global_rank`` is not an int, or ``group`` not a process group.
 
-    Example:
+    Examples:
         >>> rev = dist.new_group([1, 0], sort_ranks=False)
         >>> dist.get_group_rank(rev, 0)
         1  # rank 0 and rank 1
@@ -461,7 +461,7 @@ def get_global_rank(group: ProcessGroup | None, group_rank: int) -> int:
         ValueError: this rank is not a member of ``group``.
         TypeError: ``group_rank`` is not an int, or ``group`` not a process group.
 
-    Example:
+    Examples:
         >>> rev = dist.new_group([1, 0], sort_ranks=False)
         >>> dist.get_global_rank(rev, 0)
         1  # rank 0 and rank 1
@@ -483,7 +483,7 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
         DefaultGroupStateError: ``init_process_group`` has not been called.
         TypeError: ``group`` is not a process group.
 
-    Example:
+    Examples:
         >>> dist.get_process_group_ranks(dist.new_group([1, 0], sort_ranks=False))
         [1, 0]  # rank 0 and rank 1
     """

@@ -167,7 +167,7 @@ def init_process_group(
         DistBackendError: not every rank called ``init_process_group`` within
             ``timeout``.
 
-    Example:
+    Examples:
         >>> import mpidist as dist
         >>> dist.init_process_group()  # under mpiexec -n 2
         >>> dist.get_rank(), dist.get_world_size()
@@ -320,7 +320,7 @@ def get_default_store() -> Any:
         RuntimeError: rank 0 could not open a store (the message says why); the
             process groups work without one.
 
-    Example:
+    Examples:
         >>> store = dist.get_default_store()
         >>> if dist.get_rank() == 0:
         ...     store.set("answer", "42")
@@ -372,7 +372,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         RuntimeError: ``group`` has already been destroyed.
         TypeError: ``group`` is not a process group.
 
-    Example:
+    Examples:
         >>> dist.destroy_process_group()
         >>> dist.is_initialized()
         False
@@ -400,7 +400,7 @@ def is_initialized() -> bool:
     Returns:
         True between ``init_process_group`` and ``destroy_process_group``.
 
-    Example:
+    Examples:
         >>> dist.is_initialized()
         True
     """
@@ -413,7 +413,7 @@ def is_available() -> bool:
     Returns:
         True (torch answers whether it was built with distributed support).
 
-    Example:
+    Examples:
         >>> dist.is_available()
         True
     """
@@ -426,7 +426,7 @@ def is_mpi_available() -> bool:
     Returns:
         True when mpi4py is importable.
 
-    Example:
+    Examples:
         >>> dist.is_mpi_available()
         True
     """
@@ -441,7 +441,7 @@ def is_nccl_available() -> bool:
     Returns:
         True when ``cupy.cuda.nccl`` can be imported.
 
-    Example:
+    Examples:
         >>> dist.is_nccl_available()
         False  # without cupy
     """
@@ -454,7 +454,7 @@ def is_gloo_available() -> bool:
     Returns:
         True when MPI is available (``is_mpi_available()``).
 
-    Example:
+    Examples:
         >>> dist.is_gloo_available()
         True
     """
@@ -467,7 +467,7 @@ def is_ucc_available() -> bool:
     Returns:
         False, always.
 
-    Example:
+    Examples:
         >>> dist.is_ucc_available()
         False
     """
@@ -489,7 +489,7 @@ def is_backend_available(backend: str) -> bool:
     Raises:
         TypeError: ``backend`` is not a string.
 
-    Example:
+    Examples:
         >>> dist.is_backend_available("mpi")
         True
         >>> dist.is_backend_available("ucc")
@@ -512,7 +512,7 @@ def is_torchelastic_launched() -> bool:
     Returns:
         True under ``torchrun``, False under ``mpiexec``, ``srun`` or ``mpidistrun``.
 
-    Example:
+    Examples:
         >>> dist.is_torchelastic_launched()
         False  # under mpiexec
     """
@@ -535,7 +535,7 @@ def get_backend(group: ProcessGroup | None = None) -> Backend:
         DefaultGroupStateError: ``init_process_group`` has not been called.
         TypeError: ``group`` is not a process group.
 
-    Example:
+    Examples:
         >>> dist.get_backend()
         'mpi'
     """
@@ -558,7 +558,7 @@ def get_rank(group: ProcessGroup | None = None) -> int:
         DefaultGroupStateError: ``init_process_group`` has not been called.
         TypeError: ``group`` is not a process group.
 
-    Example:
+    Examples:
         >>> dist.get_rank()
         0  # rank 0
         1  # rank 1
@@ -580,7 +580,7 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
         DefaultGroupStateError: ``init_process_group`` has not been called.
         TypeError: ``group`` is not a process group.
 
-    Example:
+    Examples:
         >>> dist.get_world_size()
         2
     """
@@ -605,7 +605,7 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
         ValueError: ``LOCAL_RANK`` is not an integer.
         RuntimeError: none of the three is known.
 
-    Example:
+    Examples:
         >>> dist.get_node_local_rank()  # both ranks on one node
         0  # rank 0
         1  # rank 1
@@ -631,7 +631,7 @@ def get_pg_count() -> int:
     Returns:
         The number of groups; 0 before ``init_process_group``.
 
-    Example:
+    Examples:
         >>> dist.get_pg_count()
         1
         >>> pair = dist.new_group([0, 1])

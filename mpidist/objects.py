@@ -125,7 +125,7 @@ def broadcast_object_list(
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> objs = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None] * 3
         >>> dist.broadcast_object_list(objs, src=0)
         >>> objs
@@ -212,7 +212,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> out = [None] * dist.get_world_size()
         >>> dist.all_gather_object(out, {"rank": dist.get_rank()})
         >>> out
@@ -265,7 +265,7 @@ def gather_object(
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         >>> dist.gather_object(dist.get_rank() * 10, out, dst=0)
         >>> out
@@ -349,7 +349,7 @@ def scatter_object_list(
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> out = [None]
         >>> objs = [{"part": 0}, {"part": 1}] if dist.get_rank() == 0 else None
         >>> dist.scatter_object_list(out, objs, src=0)
@@ -451,7 +451,7 @@ def send_object_list(
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> objs = [{"step": 3}, "done"] if dist.get_rank() == 0 else [None, None]
         >>> if dist.get_rank() == 0:
         ...     dist.send_object_list(objs, dst=1)
@@ -517,7 +517,7 @@ def recv_object_list(
         DistBackendError: the call did not complete within the group's timeout, or
             MPI failed.
 
-    Example:
+    Examples:
         >>> objs = [None]
         >>> if dist.get_rank() == 1:
         ...     dist.send_object_list([np.arange(3)], dst=0)

@@ -75,7 +75,7 @@ def isend(
             is out of range.
         DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> out, inp = np.full(2, r), np.empty(2, np.int64)
         >>> works = [dist.isend(out, dst=1 - r), dist.irecv(inp, src=1 - r)]
@@ -122,7 +122,7 @@ def irecv(
             is out of range.
         DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example:
+    Examples:
         >>> x = np.zeros(3)
         >>> if dist.get_rank() == 0:
         ...     dist.send(np.ones(3), dst=1)
@@ -167,7 +167,7 @@ def send(
         DistBackendError: the send did not complete within the group's timeout,
             or MPI failed.
 
-    Example:
+    Examples:
         >>> x = np.arange(4.0) if dist.get_rank() == 0 else np.zeros(4)
         >>> if dist.get_rank() == 0:
         ...     dist.send(x, dst=1)
@@ -219,7 +219,7 @@ def recv(
         DistBackendError: no message came within the group's timeout (the
             receive is withdrawn and the group stays usable), or MPI failed.
 
-    Example:
+    Examples:
         >>> x = np.array([1.0, 2.0]) if dist.get_rank() == 1 else np.zeros(2)
         >>> if dist.get_rank() == 1:
         ...     dist.send(x, dst=0)
@@ -265,7 +265,7 @@ class P2POp:
         RankNotInGroupError: ``peer`` is not a member of ``group``, or
             ``group_peer`` is out of range.
 
-    Example:
+    Examples:
         >>> rank, n = dist.get_rank(), dist.get_world_size()
         >>> out, inp = np.arange(2) + 2 * rank, np.empty(2, np.int64)
         >>> reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, (rank + 1) % n),
@@ -337,7 +337,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         TypeError: an array has an unsupported dtype.
         DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example:
+    Examples:
         >>> r = dist.get_rank()
         >>> got = np.empty(1, np.int64)
         >>> works = dist.batch_isend_irecv([dist.P2POp(dist.isend, np.array([r]), 1 - r),

@@ -80,7 +80,7 @@ class Persistent:
     The arrays stay referenced as long as the operation exists. Starting a running
     operation, and ``wait()`` before the first ``start()``, raise RuntimeError.
 
-    Example:
+    Examples:
         >>> x = np.ones(3)
         >>> with dist.all_reduce_init(x) as p:
         ...     for step in range(2):
@@ -131,7 +131,7 @@ class Persistent:
                 on this rank alone).
             DistBackendError: MPI failed to start it (it cannot run again).
 
-        Example:
+        Examples:
             >>> x = np.full(2, float(dist.get_rank()))
             >>> p = dist.all_reduce_init(x)
             >>> p.start().wait()
@@ -166,7 +166,7 @@ class Persistent:
             DistBackendError: the run did not complete within the timeout (the
                 operation cannot run again: free it), or MPI failed.
 
-        Example:
+        Examples:
             >>> x = np.ones(2)
             >>> p = dist.all_reduce_init(x).start()
             >>> p.wait(timeout=60)
@@ -199,7 +199,7 @@ class Persistent:
         Raises:
             RuntimeError: the operation has not been started or has been freed.
 
-        Example:
+        Examples:
             >>> x = np.ones(1 << 16)
             >>> p = dist.all_reduce_init(x).start()
             >>> while not p.is_completed():
@@ -344,7 +344,7 @@ class Persistent:
         Raises:
             RuntimeError: a run is going.
 
-        Example:
+        Examples:
             >>> p = dist.all_reduce_init(np.ones(2))
             >>> p.free()
             >>> p.start()
@@ -536,7 +536,7 @@ def broadcast_init(
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> x = np.zeros(3)
         >>> with dist.broadcast_init(x, src=0) as p:
         ...     for step in range(3):
@@ -585,7 +585,7 @@ def all_reduce_init(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | N
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> x = np.zeros(2)
         >>> p = dist.all_reduce_init(x, op=dist.ReduceOp.SUM)
         >>> for step in range(3):
@@ -641,7 +641,7 @@ def reduce_init(
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> x = np.full(2, dist.get_rank() + 1)
         >>> with dist.reduce_init(x, dst=0) as p:
         ...     _ = p.start().wait()
@@ -689,7 +689,7 @@ def all_gather_into_tensor_init(
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> x, out = np.zeros(2), np.zeros(4)
         >>> with dist.all_gather_into_tensor_init(out, x) as p:
         ...     x[:] = dist.get_rank()
@@ -739,7 +739,7 @@ def reduce_scatter_tensor_init(
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> out = np.zeros(2, np.int64)
         >>> with dist.reduce_scatter_tensor_init(out, np.arange(4)) as p:
         ...     _ = p.start().wait()
@@ -796,7 +796,7 @@ def all_to_all_single_init(
         DefaultGroupStateError: ``init_process_group`` has not been called.
         DistBackendError: MPI failed to make the operation.
 
-    Example:
+    Examples:
         >>> out = np.empty(4, np.int64)
         >>> with dist.all_to_all_single_init(out, np.arange(4) + 4 * dist.get_rank()) as p:
         ...     _ = p.start().wait()
@@ -844,7 +844,7 @@ def send_init(
         RankNotInGroupError: ``dst`` is not a member of ``group``.
         DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example:
+    Examples:
         >>> x = np.zeros(4)
         >>> if dist.get_rank() == 0:
         ...     p = dist.send_init(x, dst=1)
@@ -896,7 +896,7 @@ def recv_init(
         RankNotInGroupError: ``src`` is not a member of ``group``.
         DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example:
+    Examples:
         >>> x = np.zeros(2)
         >>> if dist.get_rank() == 0:
         ...     p = dist.recv_init(x)  # from any rank
