@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._args import tag_value
-from .arrays.host import Buffer, prepare_input, prepare_output
-from .arrays.host import _adapt as adapt
+from .arrays.host import Buffer, adapt, prepare_input, prepare_output
 from .process_group import Backs, ProcessGroup, resolve_group
 from .work import Work
 

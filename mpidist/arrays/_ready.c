@@ -49,7 +49,7 @@ static struct {
     PyObject *slow[KINDS]; /* the Python functions */
     PyTypeObject *tensor;  /* torch.Tensor, after bind_torch */
     PyTypeObject *param;   /* torch.nn.Parameter */
-    PyObject *torch_dtypes; /* torch dtype -> numpy dtype (host._torch_dtypes) */
+    PyObject *torch_dtypes; /* torch dtype -> numpy dtype (host.torch_dtypes) */
     PyObject *torch[7]; /* the descriptors of torch.Tensor's members below (see TORCH_NAMES) */
 } S;
 

@@ -10,7 +10,7 @@ outputs that had to be staged, the caller's array to copy the result into.
 * Anything else (lists, scalars, object or structured dtypes, read-only outputs)
   raises a TypeError or ValueError that names the function and the argument.
 
-Array kinds (:func:`_adapt`):
+Array kinds (:func:`adapt`):
 
 * numpy arrays, and host DLPack exporters (through ``numpy.from_dlpack``);
 * torch CPU tensors: a numpy view of the tensor's memory (bfloat16 as its bits,
@@ -38,6 +38,8 @@ _asarray = np.asarray
 __all__ = [
     "DtypeInfo",
     "DTYPES",
+    "adapt",
+    "torch_dtypes",
     "prepare_input",
     "prepare_output",
     "prepare_inout",
@@ -69,7 +71,7 @@ Buffer = Union[ndarray, DeviceArray]
 _KINDS = "numpy.ndarray, torch.Tensor, or a CUDA array with __cuda_array_interface__ or DLPack"
 
 
-def _torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
+def torch_dtypes(torch: Any) -> dict[Any, np.dtype]:
     """torch dtype -> numpy dtype, for the dtypes mpidist sends (built once per process)."""
     table = world.torch_dtypes
     if table is None:
@@ -118,7 +120,7 @@ def host_view(x: Any) -> Any:
 
     Costs about 1 us on a tensor (``Tensor.numpy()`` would cost 0.5 us but pins
     the storage's size, see :class:`_TensorMemory`); the checks and messages for
-    every other case stay in :func:`_torch_array`, where :func:`_adapt` sends it.
+    every other case stay in :func:`_torch_array`, where :func:`adapt` sends it.
     """
     if type(x) is ndarray:
         return x
@@ -126,7 +128,7 @@ def host_view(x: Any) -> Any:
     if torch is not None and isinstance(x, torch.Tensor):
         # torch.distributed acts on the data of a tensor that requires grad
         if x.is_cpu and x.layout is torch.strided and not (x.is_conj() or x.is_neg() or x.is_nested):
-            dtype = _torch_dtypes(torch).get(x.dtype)
+            dtype = torch_dtypes(torch).get(x.dtype)
             if dtype is not None:
                 return _cpu_tensor_view(x, dtype)
     return x
@@ -150,9 +152,9 @@ def _torch_array(t: Any, torch: Any, fn: str, arg: str) -> ndarray | DeviceArray
             f"{fn}: {arg} is a lazily conjugated or negated view; its memory does not hold its values, "
             "pass t.resolve_conj().resolve_neg() (a copy)"
         )
-    dtype = _torch_dtypes(torch).get(t.dtype)
+    dtype = torch_dtypes(torch).get(t.dtype)
     if dtype is None:
-        names = ", ".join(sorted(str(d).replace("torch.", "") for d in _torch_dtypes(torch)))
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in torch_dtypes(torch)))
         raise TypeError(f"{fn}: {arg} has dtype {t.dtype}, which mpidist does not send; supported: {names}")
     if t.requires_grad:
         t = t.detach()
@@ -173,7 +175,7 @@ def _from_dlpack(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
     raise TypeError(f"{fn}: {arg} is a DLPack array on device type {device_type}; mpidist takes host and CUDA memory")
 
 
-def _adapt(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
+def adapt(x: Any, fn: str, arg: str) -> ndarray | DeviceArray:
     """Return a numpy view of ``x`` or a DeviceArray (zero-copy), or raise a TypeError."""
     if isinstance(x, ndarray):
         if isinstance(x, np.ma.MaskedArray):
@@ -211,7 +213,7 @@ def as_host_array(x: Any, fn: str, arg: str, writeable: bool = False) -> tuple[n
     Returns ``(host array, device array or None)``; an output's result goes back with
     ``write_back(host, device)``. For calls that pack their arrays anyway (``*_coalesced``).
     """
-    a = x if type(x) is ndarray else _adapt(x, fn, arg)
+    a = x if type(x) is ndarray else adapt(x, fn, arg)
     if type(a) is not DeviceArray:
         return as_array(a, fn, arg, writeable), None
     dtype_info(a.dtype, fn, arg)
@@ -227,7 +229,7 @@ def as_host_array(x: Any, fn: str, arg: str, writeable: bool = False) -> tuple[n
 
 def as_array(x: Any, fn: str, arg: str, writeable: bool = False) -> ndarray:
     """Return a validated numpy view of ``x`` (any layout), without staging."""
-    a = x if type(x) is ndarray else _adapt(x, fn, arg)
+    a = x if type(x) is ndarray else adapt(x, fn, arg)
     if type(a) is DeviceArray:
         raise TypeError(f"{fn}: {arg} is a device array; {fn} takes host arrays (numpy, CPU tensors) only")
     dtype_info(a.dtype, fn, arg)
@@ -268,7 +270,7 @@ def prepare_input(x: Any, fn: str, arg: str, index: int | None = None) -> Buffer
         return x
     if index is not None:
         arg = f"{arg}[{index}]"
-    a = _adapt(x, fn, arg)
+    a = adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
     if type(a) is DeviceArray:
         return a if a.c_contiguous else _device_copy(a, keep_data=True)
@@ -287,7 +289,7 @@ def prepare_source(x: Any, fn: str, arg: str) -> tuple[Buffer, Buffer | None]:
         x = host_view(x)
     if type(x) is ndarray and x.dtype in DTYPES and x.flags.c_contiguous:
         return x, None
-    a = _adapt(x, fn, arg)
+    a = adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
     if type(a) is DeviceArray:
         return (a, None) if a.c_contiguous else (_device_copy(a, keep_data=True), a)
@@ -355,7 +357,7 @@ def _check_distinct(strides: Sequence[int], shape: Sequence[int], fn: str, arg: 
 
 def _prepare_writable(x: Any, fn: str, arg: str, keep_data: bool) -> tuple[Buffer, Buffer | None]:
     """The rest of :func:`prepare_inout`/:func:`prepare_output`, for an ``x`` the readiness check did not take."""
-    a = _adapt(x, fn, arg)
+    a = adapt(x, fn, arg)
     dtype_info(a.dtype, fn, arg)
     if type(a) is DeviceArray:
         if a.readonly:
@@ -584,7 +586,7 @@ def _checks_in_c() -> tuple[Callable[..., Any], ...] | None:
     """The four ``prepare_*`` functions, :func:`may_overlap` and :func:`byte_spans` in C (``_ready.c``), where built.
 
     They answer ready arrays without a Python frame (about 0.1 us less per array),
-    make plain CPU tensors' views (once :func:`_torch_dtypes` has bound torch), and
+    make plain CPU tensors' views (once :func:`torch_dtypes` has bound torch), and
     hand anything else to the Python functions above.
     """
     if _ready is None:

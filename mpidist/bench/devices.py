@@ -65,11 +65,11 @@ class TorchArrays(HostArrays):
     def __init__(self) -> None:
         import torch
 
-        from ..arrays.host import _torch_dtypes, host_view
+        from ..arrays.host import host_view, torch_dtypes
 
         self._torch = torch
         self._view = host_view
-        self._dtypes = {np.dtype(v): k for k, v in _torch_dtypes(torch).items()}
+        self._dtypes = {np.dtype(v): k for k, v in torch_dtypes(torch).items()}
 
     def empty(self, k: int, dtype: np.dtype) -> Any:
         return self._torch.empty(k, dtype=self._dtypes[np.dtype(dtype)])
