@@ -34,17 +34,27 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     """Synchronize like ``barrier``, but report the ranks that fail to arrive within ``timeout``.
 
     Args:
-        group: the group (default: the world).
+        group: the group (default: the world). On ranks outside it the call does
+            nothing.
         timeout: timedelta or seconds; default the group's timeout.
         wait_all_ranks: on rank 0, collect every missing rank instead of failing at the first.
 
     Raises:
         RuntimeError: on every rank that takes part, naming the missing ranks.
+        TypeError: ``wait_all_ranks`` is not a bool, or ``timeout`` is neither a
+            timedelta nor a number.
+        ValueError: ``timeout`` is negative or NaN.
+        DefaultGroupStateError: ``init_process_group`` has not been called.
 
-    Example (``mpiexec -n 3``; rank 1 does not call it)::
+    Examples:
+        >>> dist.monitored_barrier(timeout=10)  # every rank arrives: returns None
+
+        Under ``mpiexec -n 3``, when rank 1 does not call it:
 
         >>> if dist.get_rank() != 1:
-        ...     dist.monitored_barrier(timeout=2)   # RuntimeError: Rank 1 failed to pass monitored_barrier in 2000 ms
+        ...     dist.monitored_barrier(timeout=2)
+        Traceback (most recent call last):
+        RuntimeError: Rank 1 failed to pass monitored_barrier in 2000 ms  # rank 0; rank 2 adds "(reported by rank 0 of the group)"
     """
     fn = "monitored_barrier"
     pg = world.default_pg if group is None else resolve_group(group, fn)

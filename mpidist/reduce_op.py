@@ -58,13 +58,29 @@ class ReduceOp:
     ``AVG`` sums and then divides by the group size; on integer arrays the
     division truncates toward zero, as NCCL's ``ncclAvg`` does.
 
-    Example::
+    Which ops each kind of array takes: ``SUM``, ``AVG``, ``PRODUCT`` every
+    number; ``MIN`` and ``MAX`` every real number; ``BAND``, ``BOR``, ``BXOR``
+    integers and bool; ``PREMUL_SUM`` floating-point and complex numbers. On bool
+    arrays ``SUM`` and ``MAX`` are a logical or, ``PRODUCT`` and ``MIN`` a logical
+    and. Any other pairing raises a ValueError that lists the valid ops.
 
-        >>> import mpidist as dist
+    Args:
+        op: The reduction, a ``RedOpType`` member or its number.
+        factor: For ``PREMUL_SUM``, the factor (see ``make_premul_sum``).
+
+    Raises:
+        TypeError: ``op`` is not a ``RedOpType`` member or an int.
+        ValueError: no reduction has that number.
+
+    Examples:
         >>> dist.ReduceOp.SUM
         <RedOpType.SUM: 0>
         >>> dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp.MAX
         True
+        >>> x = np.array([dist.get_rank() + 1.0, 5.0])
+        >>> dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        >>> x
+        array([1., 5.])  # rank 0 and rank 1
     """
 
     RedOpType = RedOpType
@@ -137,16 +153,28 @@ def make_premul_sum(factor: Any) -> ReduceOp:
     ``factor`` is a number or a 1-element array (read when the collective runs).
     Defined for floating-point and complex arrays.
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        factor: A real or complex number, or a 1-element array or tensor whose
+            value is read each time a collective uses the op.
 
+    Returns:
+        ``ReduceOp(PREMUL_SUM)`` carrying ``factor``.
+
+    Raises:
+        TypeError: ``factor`` is neither a number nor a 1-element array.
+
+    Examples:
         >>> x = np.ones(3, np.float32)
-        >>> dist.all_reduce(x, op=dist.make_premul_sum(0.5))   # x == [1., 1., 1.]
+        >>> dist.all_reduce(x, op=dist.make_premul_sum(0.5))
+        >>> x
+        array([1., 1., 1.], dtype=float32)  # rank 0 and rank 1: 0.5 * 1 + 0.5 * 1
     """
     factor_value(factor)  # validate now, read again at call time
     return ReduceOp(RedOpType.PREMUL_SUM, factor)
 
 
 _make_nccl_premul_sum = make_premul_sum
+"""torch's private name for :func:`make_premul_sum` (``torch.distributed._make_nccl_premul_sum``)."""
 
 
 def _op_type(op: Any, fn: str) -> RedOpType:
@@ -160,7 +188,24 @@ def _op_type(op: Any, fn: str) -> RedOpType:
 
 
 def supports_complex(op: RedOpType | ReduceOp) -> bool:
-    """Return True if ``op`` is defined for complex arrays."""
+    """Return True if ``op`` is defined for complex arrays.
+
+    Args:
+        op: A ``ReduceOp`` member or a ``ReduceOp`` instance.
+
+    Returns:
+        True for ``SUM``, ``AVG`` and ``PREMUL_SUM``; False for the ops that need an
+        order or bits (``MIN``, ``MAX``, ``PRODUCT``'s sign aside, bitwise ops).
+
+    Raises:
+        TypeError: ``op`` is not a reduction.
+
+    Examples:
+        >>> dist.supports_complex(dist.ReduceOp.SUM)
+        True
+        >>> dist.supports_complex(dist.ReduceOp.MAX)
+        False
+    """
     base = op.op if isinstance(op, ReduceOp) else _op_type(op, "supports_complex")
     return base in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 
@@ -183,6 +228,8 @@ class _DeprecatedReduceOp:
 
 
 reduce_op = _DeprecatedReduceOp()
+"""Deprecated spelling of :class:`ReduceOp` (as in torch): ``reduce_op.SUM`` warns (FutureWarning)
+and returns ``ReduceOp.SUM``."""
 
 
 class Prim(IntEnum):

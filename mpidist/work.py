@@ -106,6 +106,20 @@ class Future:
     ``then(callback)`` returns a new Future completed with ``callback(self)``'s
     return value (or its exception). Callbacks run in the thread that completes
     the Future: the one calling ``wait()``/``done()`` or ``set_result()``.
+
+    ``Work.get_future()`` returns one completed with the operation's output
+    arrays; DDP communication hooks return them. One made directly is completed
+    with ``set_result``.
+
+    Args:
+        devices: Accepted for torch compatibility; unused.
+
+    Examples:
+        >>> fut = dist.Future()
+        >>> doubled = fut.then(lambda f: f.value() * 2)
+        >>> fut.set_result(21)
+        >>> doubled.wait()
+        42
     """
 
     def __init__(self, *, devices: Sequence[Any] | None = None) -> None:
@@ -118,13 +132,35 @@ class Future:
         self._drive: tuple[Callable[[], Any], Callable[[], Any]] | None = None
 
     def done(self) -> bool:
-        """Return True if the result (or an exception) is set; polls the operation."""
+        """Return True if the result (or an exception) is set; polls the operation.
+
+        Returns:
+            True once completed, with a value or an exception.
+
+        Examples:
+            >>> fut = dist.all_reduce(np.ones(2), async_op=True).get_future()
+            >>> while not fut.done():
+            ...     pass  # compute here
+        """
         if not self._done and self._drive is not None:
             self._drive[1]()
         return self._done
 
     def wait(self) -> Any:
-        """Block until completed and return the value, or raise its exception."""
+        """Block until completed and return the value, or raise its exception.
+
+        Returns:
+            The value: for a Work's future, the list of output arrays.
+
+        Raises:
+            Exception: the exception the Future was completed with, such as the
+                operation's ``DistBackendError``.
+
+        Examples:
+            >>> x = np.ones(2)
+            >>> dist.all_reduce(x, async_op=True).get_future().wait()
+            [array([2., 2.])]  # rank 0 and rank 1
+        """
         if not self._done:
             if self._drive is not None:
                 try:
@@ -140,7 +176,21 @@ class Future:
         return self._value
 
     def value(self) -> Any:
-        """Return the value of a completed Future (raise its exception if it failed)."""
+        """Return the value of a completed Future (raise its exception if it failed).
+
+        Returns:
+            The value.
+
+        Raises:
+            RuntimeError: the Future has not completed.
+            Exception: the exception it was completed with.
+
+        Examples:
+            >>> fut = dist.Future()
+            >>> fut.set_result([1, 2])
+            >>> fut.value()
+            [1, 2]
+        """
         if not self._done:
             raise RuntimeError("Future.value: not completed yet; call wait() first or use then()")
         if self._exc is not None:
@@ -148,7 +198,24 @@ class Future:
         return self._value
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
-        """Return a Future that completes with ``callback(self)`` once this one completes."""
+        """Return a Future that completes with ``callback(self)`` once this one completes.
+
+        The callback runs in the thread that completes this Future; if it raises,
+        the new Future completes with that exception.
+
+        Args:
+            callback: Called with this Future once it is complete; its return
+                value is the new Future's value.
+
+        Returns:
+            The new Future.
+
+        Examples:
+            >>> work = dist.all_reduce(np.ones(2), async_op=True)
+            >>> fut = work.get_future().then(lambda f: f.value()[0] / 2)
+            >>> fut.wait()
+            array([1., 1.])  # rank 0 and rank 1
+        """
         child = Future()
         child._drive = (self.wait, self.done)
 
@@ -164,7 +231,17 @@ class Future:
         return child
 
     def add_done_callback(self, callback: Callable[[Future], None]) -> None:
-        """Run ``callback(self)`` when completed (now, if already completed)."""
+        """Run ``callback(self)`` when completed (now, if already completed).
+
+        Args:
+            callback: Called with this Future; its return value is ignored.
+
+        Examples:
+            >>> fut = dist.Future()
+            >>> fut.add_done_callback(lambda f: print("got", f.value()))
+            >>> fut.set_result(3)
+            got 3
+        """
         with self._cond:
             if not self._done:
                 self._callbacks.append(callback)
@@ -172,11 +249,39 @@ class Future:
         callback(self)
 
     def set_result(self, result: Any) -> None:
-        """Complete the Future with ``result``."""
+        """Complete the Future with ``result``.
+
+        Args:
+            result: The value; ``wait()`` and ``value()`` return it.
+
+        Raises:
+            RuntimeError: the Future is already completed.
+
+        Examples:
+            >>> fut = dist.Future()
+            >>> fut.set_result("ok")
+            >>> fut.wait()
+            'ok'
+        """
         self._finish(result, None)
 
     def set_exception(self, result: BaseException) -> None:
-        """Complete the Future with an exception (raised by ``wait()`` and ``value()``)."""
+        """Complete the Future with an exception (raised by ``wait()`` and ``value()``).
+
+        Args:
+            result: The exception.
+
+        Raises:
+            TypeError: ``result`` is not an exception.
+            RuntimeError: the Future is already completed.
+
+        Examples:
+            >>> fut = dist.Future()
+            >>> fut.set_exception(ValueError("bad input"))
+            >>> fut.wait()
+            Traceback (most recent call last):
+            ValueError: bad input
+        """
         if not isinstance(result, BaseException):
             raise TypeError(f"Future.set_exception: expected an exception, got {type(result).__name__}")
         self._finish(None, result)
@@ -200,6 +305,18 @@ class Work:
     """Handle of an operation started with ``async_op=True`` (or ``isend``/``irecv``).
 
     Created by backends; users call ``wait``, ``is_completed``, ``get_future``, ...
+
+    It keeps the operation's arrays referenced until it completes. There is no
+    progress thread: ``is_completed()`` and ``wait()`` drive MPI's progress, so
+    poll ``is_completed()`` from a compute loop to overlap communication.
+
+    Examples:
+        >>> x = np.ones(1 << 20)
+        >>> work = dist.all_reduce(x, async_op=True)
+        >>> while not work.is_completed():
+        ...     pass  # compute here
+        >>> work.is_success(), x[:3]
+        (True, array([2., 2., 2.]))  # rank 0 and rank 1
     """
 
     __slots__ = (
@@ -247,7 +364,17 @@ class Work:
         return reqs[0].Testall(reqs)
 
     def is_completed(self) -> bool:
-        """Return True once the operation has finished; each call makes MPI progress."""
+        """Return True once the operation has finished; each call makes MPI progress.
+
+        Returns:
+            True once the operation has completed or failed (``exception()`` says
+            which); False while it is going. It never waits.
+
+        Examples:
+            >>> work = dist.all_reduce(np.ones(1 << 16), async_op=True)
+            >>> while not work.is_completed():
+            ...     pass  # compute here
+        """
         if not self._done:
             try:
                 finished = self._test()
@@ -276,6 +403,27 @@ class Work:
         ``timeout`` (timedelta or seconds; None or 0 means the group's timeout, or
         the one given to ``barrier``) bounds the wait: past it a ``DistBackendError``
         is raised.
+
+        Args:
+            timeout: This wait's limit, a ``datetime.timedelta`` or seconds.
+
+        Returns:
+            True; the outputs hold the results.
+
+        Raises:
+            DistBackendError: the operation did not complete within the timeout
+                (the message names the ranks that have not arrived), or MPI failed.
+            ValueError: a received message had another size than the array, or
+                ``timeout`` is negative or NaN.
+            TypeError: ``timeout`` is neither a timedelta nor a number.
+
+        Examples:
+            >>> x = np.ones(2)
+            >>> work = dist.all_reduce(x, async_op=True)
+            >>> work.wait(timeout=60)
+            True
+            >>> x
+            array([2., 2.])  # rank 0 and rank 1
         """
         if not self._done:
             limit = timeout_seconds(timeout, "Work.wait", self._timeout)
@@ -327,19 +475,65 @@ class Work:
             self._future.set_exception(exc)
 
     def is_success(self) -> bool:
-        """Return True if the operation completed without error."""
+        """Return True if the operation completed without error.
+
+        Returns:
+            True once completed successfully; False while running or after a
+            failure. It tests once, as ``is_completed()`` does.
+
+        Examples:
+            >>> work = dist.all_reduce(np.ones(2), async_op=True)
+            >>> work.wait()
+            True
+            >>> work.is_success()
+            True
+        """
         return self.is_completed() and self._exc is None
 
     def exception(self) -> BaseException | None:
-        """Return the error the operation failed with, or None."""
+        """Return the error the operation failed with, or None.
+
+        Returns:
+            The exception (a ``DistBackendError`` for a timeout or an MPI
+            failure), or None if it has not failed (yet).
+
+        Examples:
+            >>> work = dist.all_reduce(np.ones(2), async_op=True)
+            >>> work.wait()
+            True
+            >>> work.exception() is None
+            True
+        """
         return self._exc
 
     def result(self) -> list[Any]:
-        """Return the output arrays of the operation (after ``wait()``)."""
+        """Return the output arrays of the operation (after ``wait()``).
+
+        Returns:
+            A list of the arrays the operation wrote (for ``all_gather``, the
+            arrays of ``tensor_list``).
+
+        Examples:
+            >>> x = np.ones(2)
+            >>> work = dist.all_reduce(x, async_op=True)
+            >>> work.wait()
+            True
+            >>> work.result()[0] is x
+            True
+        """
         return self._outputs
 
     def get_future(self) -> Future:
-        """Return a Future completed with ``result()`` when the operation completes."""
+        """Return a Future completed with ``result()`` when the operation completes.
+
+        Returns:
+            The same ``Future`` on every call; it fails with the operation's error.
+
+        Examples:
+            >>> fut = dist.all_reduce(np.ones(2), async_op=True).get_future()
+            >>> fut.wait()
+            [array([2., 2.])]  # rank 0 and rank 1
+        """
         if self._future is None:
             fut = Future()
             fut._drive = (self.wait, self.is_completed)
@@ -352,11 +546,36 @@ class Work:
         return self._future
 
     def synchronize(self) -> None:
-        """Same as ``wait()`` for host arrays."""
+        """Same as ``wait()`` for host arrays.
+
+        Raises:
+            DistBackendError: as ``wait()``.
+
+        Examples:
+            >>> dist.all_reduce(np.ones(2), async_op=True).synchronize()
+        """
         self.wait()
 
     def source_rank(self) -> int:
-        """For a receive: the group rank the message came from."""
+        """For a receive: the group rank the message came from.
+
+        It waits for the receive first.
+
+        Returns:
+            The sender's rank in the group of the receive.
+
+        Raises:
+            RuntimeError: the Work is not a receive's.
+            DistBackendError: as ``wait()``.
+
+        Examples:
+            >>> x = np.zeros(1)
+            >>> if dist.get_rank() == 0:
+            ...     dist.irecv(x).source_rank()
+            ... else:
+            ...     dist.send(np.ones(1), dst=0)
+            1  # rank 0
+        """
         if self._status is None:
             raise RuntimeError(f"Work.source_rank: only receives have a source rank, this is {self._op}")
         self.wait()
