@@ -61,6 +61,13 @@ class ProcessGroup:
     The backends are fixed when the group is made; only a device backend that
     depends on the kind of device array (NCCL for GPU memory, MPI for others) is
     made on the first call that needs it, by ``device_maker``.
+
+    Examples:
+        >>> pair = dist.new_group([0, 1])
+        >>> pair.rank(), pair.size(), pair.ranks
+        (0, 2, [0, 1])  # rank 0
+        (1, 2, [0, 1])  # rank 1
+        >>> dist.all_reduce(np.ones(2), group=pair)
     """
 
     def __init__(
@@ -340,15 +347,40 @@ class ProcessGroup:
 
     # -- identity ---------------------------------------------------------------------
     def rank(self) -> int:
-        """Return this process's rank in the group."""
+        """Return this process's rank in the group.
+
+        Returns:
+            The rank, from 0 to ``size() - 1`` (``get_rank(group)`` is the same).
+
+        Examples:
+            >>> dist.group.WORLD.rank()
+            0  # rank 0
+            1  # rank 1
+        """
         return self._rank
 
     def size(self) -> int:
-        """Return the number of processes in the group."""
+        """Return the number of processes in the group.
+
+        Returns:
+            The group's size (``get_world_size(group)`` is the same).
+
+        Examples:
+            >>> dist.group.WORLD.size()
+            2
+        """
         return self._size
 
     def name(self) -> str:
-        """Return the backend's name (torch's ``ProcessGroup.name()``)."""
+        """Return the backend's name (torch's ``ProcessGroup.name()``).
+
+        Returns:
+            The name the group's backend was asked by, as ``get_backend(group)``.
+
+        Examples:
+            >>> dist.group.WORLD.name()
+            'mpi'
+        """
         return self.backend_name
 
     def shutdown(self) -> None:
@@ -383,7 +415,17 @@ class ProcessGroup:
 
     @property
     def mpi_comm(self) -> Any:
-        """The group's private MPI communicator (an ``mpi4py.MPI.Comm``), for use with mpi4py."""
+        """The group's private MPI communicator (an ``mpi4py.MPI.Comm``), for use with mpi4py.
+
+        mpidist's own calls on the group use it too, so messages of the program's
+        mpi4py calls on it must not be pending while mpidist calls run. None for a
+        group without an MPI communicator.
+
+        Examples:
+            >>> comm = dist.group.WORLD.mpi_comm
+            >>> comm.allreduce(dist.get_rank())
+            1  # rank 0 and rank 1
+        """
         return self._comm
 
     def group_rank(self, global_rank: int, fn: str = "get_group_rank", arg: str = "global_rank") -> int:
@@ -507,11 +549,32 @@ class _WorldMeta(type):
 
 
 class group(metaclass=_WorldMeta):  # noqa: N801 - torch's name
-    """``group.WORLD`` is the default process group."""
+    """``group.WORLD`` is the default process group.
+
+    It is None before ``init_process_group`` and after ``destroy_process_group``.
+
+    Examples:
+        >>> dist.group.WORLD.size() == dist.get_world_size()
+        True
+    """
 
 
 class GroupMember(metaclass=_WorldMeta):
-    """``GroupMember.WORLD`` (the default group) and ``GroupMember.NON_GROUP_MEMBER``."""
+    """``GroupMember.WORLD`` (the default group) and ``GroupMember.NON_GROUP_MEMBER``.
+
+    ``NON_GROUP_MEMBER`` is what ``new_group`` returns on ranks outside the group:
+    collectives given it do nothing and return None, ``get_rank`` of it is -1.
+    (torch uses the integer -100; here it is a sentinel object.)
+
+    Examples:
+        >>> g = dist.new_group([0])
+        >>> g is dist.GroupMember.NON_GROUP_MEMBER
+        False  # rank 0
+        True  # rank 1
+        >>> dist.get_rank(g)
+        0  # rank 0
+        -1  # rank 1
+    """
 
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
