@@ -66,6 +66,19 @@ def abort_process_group(group: Any = None, errorcode: int = ABORT_CODE, message:
 
     Every rank of the job ends, not only the group's: MPI implementations abort
     the whole job. ``message`` is printed first, prefixed with ``[rank N]``.
+    Only one rank needs to call it; it does not return.
+
+    Args:
+        group: The group whose communicator to abort; None is the default group
+            (``MPI.COMM_WORLD`` before ``init_process_group``).
+        errorcode: The exit code the launcher reports (70 by default).
+        message: A line to print on stderr first.
+
+    Examples:
+        >>> try:
+        ...     step()
+        ... except Exception as exc:
+        ...     dist.abort_process_group(message=f"step failed: {exc}")  # every rank ends
     """
     if message:
         _say(message)
@@ -108,10 +121,13 @@ def _mpi_running() -> bool:
 def install_excepthook() -> None:
     """Make an unhandled exception on any rank print ``[rank N]``-prefixed and abort the job.
 
-    Example::
+    Without it, a rank that dies of an exception leaves the others waiting in
+    their next collective until its timeout. It replaces ``sys.excepthook``; a
+    ``KeyboardInterrupt`` is printed and not turned into an abort.
 
-        import mpidist
-        mpidist.install_excepthook()     # or run the script with: mpiexec -n 4 python -m mpidist script.py
+    Examples:
+        >>> import mpidist
+        >>> mpidist.install_excepthook()  # or run: mpiexec -n 4 python -m mpidist script.py
     """
     sys.excepthook = excepthook
 
