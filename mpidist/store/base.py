@@ -182,10 +182,11 @@ class Store:
 
     Every store is a context manager that calls :meth:`close` on exit.
 
-    Example::
+    The examples of the methods below use ``store = dist.HashStore()``; every
+    store behaves alike (``FileStore`` cannot delete keys).
 
-        >>> from mpidist.store import HashStore
-        >>> with HashStore() as store:
+    Examples:
+        >>> with dist.HashStore() as store:
         ...     store.add("counter", 1)
         ...     store.add("counter", 6)
         ...     store.get("counter")
@@ -195,7 +196,15 @@ class Store:
     """
 
     def __init__(self, timeout: timedelta | float | None = None) -> None:
-        """Create a store with ``timeout`` (timedelta or seconds; None: 300 s)."""
+        """Create a store with ``timeout`` (timedelta or seconds; None: 300 s).
+
+        Args:
+            timeout: The store's timeout; zero means no timeout.
+
+        Raises:
+            TypeError: ``timeout`` is neither a timedelta nor a number.
+            ValueError: ``timeout`` is negative or not finite.
+        """
         self._timeout_s = DEFAULT_TIMEOUT.total_seconds()
         if timeout is not None:
             self._timeout_s = seconds_of(timeout, type(self).__name__)
@@ -204,16 +213,27 @@ class Store:
 
     @property
     def timeout(self) -> timedelta:
-        """The store's timeout for ``get``, ``wait`` and ``multi_get`` (zero: none)."""
+        """The store's timeout for ``get``, ``wait`` and ``multi_get`` (zero: none).
+
+        Examples:
+            >>> dist.HashStore(timeout=30).timeout
+            datetime.timedelta(seconds=30)
+        """
         return timedelta(seconds=self._timeout_s)
 
     def set_timeout(self, timeout: timedelta | float) -> None:
         """Set the store's default timeout (a timedelta, or seconds; zero: wait forever).
 
-        Example::
+        Args:
+            timeout: The new timeout.
 
+        Raises:
+            TypeError: ``timeout`` is neither a timedelta nor a number.
+            ValueError: ``timeout`` is negative or not finite.
+
+        Examples:
             >>> store.set_timeout(timedelta(seconds=10))
-            >>> store.wait(["bad_key"])   # raises DistStoreError after 10 seconds
+            >>> store.wait(["bad_key"])  # raises DistStoreError after 10 seconds
         """
         self._timeout_s = seconds_of(timeout, self._fn("set_timeout"))
 
@@ -234,8 +254,11 @@ class Store:
             key: the key.
             value: a str (stored UTF-8 encoded) or bytes-like value.
 
-        Example::
+        Raises:
+            TypeError: ``key`` is not a str, or ``value`` neither a str nor bytes-like.
+            DistStoreError: the store failed (a damaged file, a server that is gone).
 
+        Examples:
             >>> store.set("first_key", "first_value")
         """
         fn = self._fn("set")
@@ -244,11 +267,17 @@ class Store:
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, waiting up to the store's timeout for it to be set.
 
+        Args:
+            key: the key.
+
+        Returns:
+            The value, as bytes (a counter made by ``add`` as its decimal text).
+
         Raises:
             DistStoreError: ``key`` was not set within the timeout.
+            TypeError: ``key`` is not a str.
 
-        Example::
-
+        Examples:
             >>> store.set("first_key", "first_value")
             >>> store.get("first_key")
             b'first_value'
@@ -266,11 +295,18 @@ class Store:
 
         The counter is stored as its decimal text: ``get`` returns ``b"7"``.
 
+        Args:
+            key: the counter's key.
+            amount: the int to add (negative to subtract).
+
+        Returns:
+            The counter's new value.
+
         Raises:
             DistStoreError: ``key`` holds a value that is not an integer (it is left unchanged).
+            TypeError: ``key`` is not a str, or ``amount`` not an int.
 
-        Example::
-
+        Examples:
             >>> store.add("first_key", 1)
             1
             >>> store.add("first_key", 6)
@@ -300,8 +336,18 @@ class Store:
         key is missing and ``expected_value`` is not empty, nothing is set and
         ``expected_value`` is returned.
 
-        Example::
+        Args:
+            key: the key.
+            expected_value: the value ``key`` must hold (str or bytes-like).
+            desired_value: the value to set (str or bytes-like).
 
+        Returns:
+            The value ``key`` holds afterwards (see above for a missing key).
+
+        Raises:
+            TypeError: ``key`` is not a str, or a value neither a str nor bytes-like.
+
+        Examples:
             >>> store.set("key", "first_value")
             >>> store.compare_set("key", "first_value", "second_value")
             b'second_value'
@@ -323,10 +369,10 @@ class Store:
 
         Raises:
             DistStoreError: some keys were not set within the timeout (they are named).
+            TypeError: ``keys`` is not a list of str (a lone str is refused).
 
-        Example::
-
-            >>> store.wait(["bad_key"], timedelta(seconds=10))   # raises after 10 seconds
+        Examples:
+            >>> store.wait(["bad_key"], timedelta(seconds=10))  # raises after 10 seconds
         """
         fn = self._fn("wait")
         keys = check_keys(keys, fn)
@@ -341,10 +387,19 @@ class Store:
     def check(self, keys: list[str]) -> bool:
         """Return whether every key of ``keys`` is set (without waiting).
 
-        Example::
+        Args:
+            keys: the keys.
 
-            >>> store.check(["first_key"])
-            True
+        Returns:
+            True if every key is set.
+
+        Raises:
+            TypeError: ``keys`` is not a list of str.
+
+        Examples:
+            >>> store.set("first_key", "x")
+            >>> store.check(["first_key"]), store.check(["first_key", "bad_key"])
+            (True, False)
         """
         return self._check(check_keys(keys, self._fn("check")))
 
@@ -354,8 +409,14 @@ class Store:
         ``TCPStore`` and ``FileStore`` count one more key than were set, the one
         that counts their users (as torch documents).
 
-        Example::
+        Returns:
+            The number of keys.
 
+        Examples:
+            >>> store = dist.HashStore()
+            >>> store.set("a", "1")
+            >>> store.add("b", 1)
+            1
             >>> store.num_keys()
             2
         """
@@ -364,10 +425,17 @@ class Store:
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed.
 
+        Args:
+            key: the key.
+
+        Returns:
+            True if ``key`` existed.
+
         Raises:
             DistStoreError: the store cannot delete keys (``FileStore``).
+            TypeError: ``key`` is not a str.
 
-        Example::
+        Examples:
 
             >>> store.set("first_key", "x")
             >>> store.delete_key("first_key")
@@ -380,7 +448,14 @@ class Store:
     def append(self, key: str, value: Value) -> None:
         """Append ``value`` to the value of ``key`` (set it if ``key`` is missing).
 
-        Example::
+        Args:
+            key: the key.
+            value: a str (UTF-8 encoded) or bytes-like value.
+
+        Raises:
+            TypeError: ``key`` is not a str, or ``value`` neither a str nor bytes-like.
+
+        Examples:
 
             >>> store.append("log", "a")
             >>> store.append("log", "b")
@@ -393,11 +468,17 @@ class Store:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Return the values of ``keys``, waiting up to the store's timeout for all of them.
 
+        Args:
+            keys: the keys.
+
+        Returns:
+            Their values, as bytes, in the order of ``keys``.
+
         Raises:
             DistStoreError: some keys were not set within the timeout (they are named).
+            TypeError: ``keys`` is not a list of str.
 
-        Example::
-
+        Examples:
             >>> store.multi_set(["a", "b"], ["1", "2"])
             >>> store.multi_get(["a", "b"])
             [b'1', b'2']
@@ -415,12 +496,19 @@ class Store:
     def multi_set(self, keys: list[str], values: list[Value]) -> None:
         """Set each key of ``keys`` to the value at the same position of ``values``.
 
+        Args:
+            keys: the keys.
+            values: one str or bytes-like value per key.
+
         Raises:
             ValueError: ``keys`` and ``values`` differ in length.
+            TypeError: ``keys`` is not a list of str, or ``values`` not a list of
+                str or bytes-like values.
 
-        Example::
-
+        Examples:
             >>> store.multi_set(["a", "b"], ["1", b"2"])
+            >>> store.get("b")
+            b'2'
         """
         fn = self._fn("multi_set")
         keys = check_keys(keys, fn)
@@ -431,7 +519,11 @@ class Store:
         self._multi_set(keys, [as_bytes(v, fn, f"values[{i}]") for i, v in enumerate(values)])
 
     def close(self) -> None:
-        """Release what the store holds (sockets, files, server). Idempotent; a no-op here."""
+        """Release what the store holds (sockets, files, server). Idempotent; a no-op here.
+
+        Examples:
+            >>> store.close()
+        """
 
     def __enter__(self) -> Store:
         return self

@@ -335,13 +335,12 @@ class FileStore(Store):
             ``world_size``; or its world is complete and some of its stores
             have left (a file left behind by a crashed job).
 
-    Example (``mpiexec -n 2``, every rank)::
-
-        >>> store = FileStore("/tmp/filestore", 2)
-        >>> if rank == 0:
+    Examples:
+        >>> store = dist.FileStore("/tmp/filestore", 2)  # on both ranks
+        >>> if dist.get_rank() == 0:
         ...     store.set("first_key", "first_value")
         >>> store.get("first_key")
-        b'first_value'
+        b'first_value'  # rank 0 and rank 1
         >>> store.close()
     """
 
@@ -382,16 +381,31 @@ class FileStore(Store):
 
     @property
     def path(self) -> str:
-        """The absolute path of the file."""
+        """The absolute path of the file.
+
+        Examples:
+            >>> dist.FileStore("/tmp/filestore-path").path
+            '/tmp/filestore-path'
+        """
         return self._state.path
 
     @property
     def world_size(self) -> int:
-        """The number of users after whose close the file is removed (negative: never)."""
+        """The number of users after whose close the file is removed (negative: never).
+
+        Examples:
+            >>> dist.FileStore("/tmp/filestore-size").world_size
+            -1
+        """
         return self._state.world_size
 
     def close(self) -> None:
-        """Unregister from the file (the last of ``world_size`` users removes it). Idempotent."""
+        """Unregister from the file (the last of ``world_size`` users removes it). Idempotent.
+
+        Examples:
+            >>> store = dist.FileStore("/tmp/filestore-close", 1)
+            >>> store.close()
+        """
         self._finalizer()
 
     @contextmanager

@@ -32,9 +32,12 @@ class HashStore(Store):
     Args:
         timeout: the store's timeout (timedelta or seconds; default 300 s).
 
-    Example::
+    Raises:
+        TypeError: ``timeout`` is neither a timedelta nor a number.
+        ValueError: ``timeout`` is negative or not finite.
 
-        >>> store = HashStore()
+    Examples:
+        >>> store = dist.HashStore()
         >>> store.set("first_key", "first_value")
         >>> store.compare_set("first_key", "first_value", "second_value")
         b'second_value'

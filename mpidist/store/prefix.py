@@ -33,10 +33,11 @@ class PrefixStore(Store):
             PrefixStore included, or a store with torch's interface (wrapped in
             a :class:`~mpidist.store.foreign.ForeignStore`).
 
-    Example::
+    Raises:
+        TypeError: ``prefix`` is not a str, or ``store`` not a store.
 
-        >>> from mpidist.store import HashStore, PrefixStore
-        >>> store = PrefixStore("pg0", HashStore())
+    Examples:
+        >>> store = dist.PrefixStore("pg0", dist.HashStore())
         >>> store.add("count", 2)
         2
         >>> store.underlying_store.get("pg0/count")
@@ -63,12 +64,23 @@ class PrefixStore(Store):
 
     @property
     def prefix(self) -> str:
-        """The prefix put before every key (followed by ``/``)."""
+        """The prefix put before every key (followed by ``/``).
+
+        Examples:
+            >>> dist.PrefixStore("pg0", dist.HashStore()).prefix
+            'pg0'
+        """
         return self._prefix
 
     @property
     def underlying_store(self) -> Store:
-        """The store that holds the prefixed keys."""
+        """The store that holds the prefixed keys.
+
+        Examples:
+            >>> inner = dist.HashStore()
+            >>> dist.PrefixStore("pg0", inner).underlying_store is inner
+            True
+        """
         return self._store
 
     def _key(self, key: str) -> str:

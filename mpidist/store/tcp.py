@@ -330,9 +330,8 @@ class TCPStore(Store):
             (raised at once).
         DistStoreError: the master's ``world_size`` stores did not join within the timeout.
 
-    Example::
-
-        >>> store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+    Examples:
+        >>> store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
         >>> store.set("first_key", "first_value")
         >>> store.get("first_key")
         b'first_value'
@@ -416,26 +415,51 @@ class TCPStore(Store):
 
     @property
     def host(self) -> str:
-        """The host name the store was given."""
+        """The host name the store was given.
+
+        Examples:
+            >>> dist.TCPStore("127.0.0.1", 0, 1, True).host
+            '127.0.0.1'
+        """
         return self._host
 
     @property
     def port(self) -> int:
-        """The server's port (the one picked, on a master created with port 0)."""
+        """The server's port (the one picked, on a master created with port 0).
+
+        Examples:
+            >>> master = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+            >>> client = dist.TCPStore("127.0.0.1", master.port, 2, False)
+        """
         return self._port
 
     @property
     def server_address(self) -> tuple[str, int] | None:
-        """The (address, port) the master's server listens on; None on clients."""
+        """The (address, port) the master's server listens on; None on clients.
+
+        Examples:
+            >>> dist.TCPStore("127.0.0.1", 0, 1, True).server_address
+            ('127.0.0.1', 45678)  # the port the system picked
+        """
         return None if self._server is None else self._server.address
 
     @property
     def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
-        """False: the server is mpidist's own (torch reports whether it uses libuv)."""
+        """False: the server is mpidist's own (torch reports whether it uses libuv).
+
+        Examples:
+            >>> dist.TCPStore("127.0.0.1", 0, 1, True).libuvBackend
+            False
+        """
         return False
 
     def close(self) -> None:
-        """Close the connection; on the master, stop the server (other stores lose it). Idempotent."""
+        """Close the connection; on the master, stop the server (other stores lose it). Idempotent.
+
+        Examples:
+            >>> store = dist.TCPStore("127.0.0.1", 0, 1, True)
+            >>> store.close()
+        """
         self._finalizer()
 
     def _wait_for_workers(self, joined: int, world_size: int, wait_s: float | None, fn: str) -> None:
