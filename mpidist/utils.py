@@ -91,8 +91,10 @@ def distributed_available() -> bool:
 
     Lightning's ``distributed_available()``; there is no TPU branch.
 
-    Example::
+    Returns:
+        True between ``init_process_group`` and ``destroy_process_group``.
 
+    Examples:
         >>> import mpidist as dist
         >>> dist.distributed_available()
         False
@@ -133,14 +135,19 @@ def all_gather_ddp_if_available(tensor: Any, group: ProcessGroup | None = None, 
         TypeError: ``tensor`` is not a numpy array or CPU torch tensor of a supported
             dtype, ``sync_grads`` is not a bool, or ``sync_grads=True`` with a numpy array.
 
-    Example (``mpiexec -n 2``)::
-
-        >>> out = dist.all_gather_ddp_if_available(np.full(2, dist.get_rank()))
-        >>> out                                   # [[0, 0], [1, 1]] on both ranks
+    Examples:
+        >>> dist.all_gather_ddp_if_available(np.full(2, dist.get_rank()))
+        array([[0, 0],
+               [1, 1]])  # rank 0 and rank 1
         >>> x = torch.full((2,), 1.0 + dist.get_rank(), requires_grad=True)
-        >>> gathered = dist.all_gather_ddp_if_available(x, sync_grads=True)   # [[1, 1], [2, 2]]
+        >>> gathered = dist.all_gather_ddp_if_available(x, sync_grads=True)
+        >>> gathered
+        tensor([[1., 1.],
+                [2., 2.]], grad_fn=<AllGatherGradBackward>)  # rank 0 and rank 1
         >>> (gathered * torch.tensor([[1.0], [10.0]])).sum().backward()
-        >>> x.grad                                # tensor([2., 2.]) on rank 0, tensor([20., 20.]) on rank 1
+        >>> x.grad
+        tensor([2., 2.])  # rank 0
+        tensor([20., 20.])  # rank 1
     """
     fn = "all_gather_ddp_if_available"
     view, torch = array_or_tensor_arg(tensor, fn, "tensor")
@@ -194,13 +201,13 @@ def gather_all_tensors(result: Any, group: ProcessGroup | None = None) -> list[A
             dtype, or the ranks passed different dtypes.
         ValueError: the ranks passed different numbers of dimensions.
 
-    Example (``mpiexec -n 2``)::
-
+    Examples:
         >>> r = dist.get_rank()
         >>> parts = dist.gather_all_tensors(np.ones((r + 1, 2 - r)))
-        >>> [p.shape for p in parts]               # [(1, 2), (2, 1)] on both ranks
-        >>> parts = dist.gather_all_tensors(torch.arange(r + 1))
-        >>> parts                                  # [tensor([0]), tensor([0, 1])] on both ranks
+        >>> [p.shape for p in parts]
+        [(1, 2), (2, 1)]  # rank 0 and rank 1
+        >>> dist.gather_all_tensors(torch.arange(r + 1))
+        [tensor([0]), tensor([0, 1])]  # rank 0 and rank 1
     """
     fn = "gather_all_tensors"
     arr, torch = array_or_tensor_arg(result, fn, "result")
@@ -312,12 +319,13 @@ def sync_ddp(result: Any, group: ProcessGroup | None = None, reduce_op: Any = No
             supported dtype, or ``reduce_op`` is not None, a string or a ReduceOp.
         ValueError: ``reduce_op`` names no reduction, or one not defined on the dtype.
 
-    Example (``mpiexec -n 2``)::
-
-        >>> x = np.array([1.0, 2.0]) * (dist.get_rank() + 1)     # [1, 2] and [2, 4]
-        >>> dist.sync_ddp(x, reduce_op="mean")                   # [1.5, 3.] on both ranks
+    Examples:
+        >>> x = np.array([1.0, 2.0]) * (dist.get_rank() + 1)
+        >>> dist.sync_ddp(x, reduce_op="mean")
+        array([1.5, 3. ])  # rank 0 and rank 1: the mean of [1, 2] and [2, 4]
         >>> t = torch.tensor([1, 2]) * (dist.get_rank() + 1)
-        >>> dist.sync_ddp(t, reduce_op="avg")                    # tensor([1.5000, 3.0000])
+        >>> dist.sync_ddp(t, reduce_op="avg")
+        tensor([1.5000, 3.0000])  # rank 0 and rank 1
     """
     fn = "sync_ddp"
     result, arr, torch, op, divide = _sync_args(result, reduce_op, fn)
@@ -346,10 +354,24 @@ def sync_ddp_if_available(result: Any, group: ProcessGroup | None = None, reduce
 
     The arguments are checked either way (the same errors as :func:`sync_ddp`).
 
-    Example (``mpiexec -n 2``)::
+    Args:
+        result: a numpy array, a CPU torch tensor, or a number.
+        group: the process group (default: the world).
+        reduce_op: as for :func:`sync_ddp`.
 
-        >>> dist.sync_ddp_if_available(np.ones(2), reduce_op="sum")      # [2., 2.]
-        >>> dist.sync_ddp_if_available(torch.ones(2), reduce_op="max")   # tensor([1., 1.])
+    Returns:
+        The reduced value as :func:`sync_ddp` returns it, or ``result`` itself
+        when no process group is initialized.
+
+    Raises:
+        TypeError: as :func:`sync_ddp`.
+        ValueError: as :func:`sync_ddp`.
+
+    Examples:
+        >>> dist.sync_ddp_if_available(np.ones(2), reduce_op="sum")
+        array([2., 2.])  # rank 0 and rank 1
+        >>> dist.sync_ddp_if_available(torch.ones(2), reduce_op="max")
+        tensor([1., 1.])  # rank 0 and rank 1
     """
     fn = "sync_ddp_if_available"
     _sync_args(result, reduce_op, fn)
@@ -373,8 +395,21 @@ def register_ddp_comm_hook(
     ddp_comm_wrapper(ddp_comm_hook)`` when a wrapper is given. ``state=`` is
     accepted for ``ddp_comm_state`` (Lightning's documentation uses both).
 
-    Example (``mpiexec -n 2``, with ``import mpidist.torch`` and
-    ``torch.distributed.init_process_group("mpidist")``)::
+    Args:
+        model: A ``torch.nn.parallel.DistributedDataParallel`` (anything with
+            ``register_comm_hook``).
+        ddp_comm_state: The hook's state (``process_group``, a PowerSGD state, ...).
+        ddp_comm_hook: The hook, ``hook(state, bucket) -> Future``; None does nothing.
+        ddp_comm_wrapper: A wrapper applied to the hook, such as
+            ``fp16_compress_wrapper``.
+        state: Another name for ``ddp_comm_state``.
+
+    Raises:
+        TypeError: ``model`` has no ``register_comm_hook``, a hook or wrapper is
+            not callable, or both ``ddp_comm_state`` and ``state`` are given.
+
+    Examples:
+        With ``import mpidist.torch`` and ``torch.distributed.init_process_group("mpidist")``:
 
         >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
         >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -439,9 +474,8 @@ def init_dist_connection(
         ValueError: a negative rank or world size, a port outside 0-65535, or
             (from ``init_process_group``, on every rank) a disagreement with MPI.
 
-    Example (``mpiexec -n 2``)::
-
-        >>> dist.init_dist_connection(dist.MPIEnvironment(), "mpi")
+    Examples:
+        >>> dist.init_dist_connection(dist.MPIEnvironment(), "mpi")  # under mpiexec -n 2
         >>> dist.get_world_size()
         2
     """
@@ -498,11 +532,15 @@ class MPIEnvironment:
     mpidist itself connects the processes through MPI and uses neither; they are
     for code that reads ``MASTER_ADDR``/``MASTER_PORT``.
 
-    Example (``mpiexec -n 2``)::
+    Raises:
+        RuntimeError: MPI is not initialized (no launcher started the process and
+            ``init_process_group`` has not been called).
 
+    Examples:
         >>> env = dist.MPIEnvironment()
         >>> env.global_rank(), env.world_size()
-        (0, 2)
+        (0, 2)  # rank 0
+        (1, 2)  # rank 1
         >>> dist.init_dist_connection(env, "mpi")
     """
 
@@ -528,19 +566,39 @@ class MPIEnvironment:
 
     @property
     def main_address(self) -> str:
-        """The address for ``MASTER_ADDR`` (collective on first access)."""
+        """The address for ``MASTER_ADDR`` (collective on first access).
+
+        Examples:
+            >>> dist.MPIEnvironment().main_address  # every rank on one host
+            '127.0.0.1'
+        """
         self._discover()
         return self._main_address  # type: ignore[return-value]
 
     @property
     def main_port(self) -> int:
-        """A free port on rank 0's host for ``MASTER_PORT`` (collective on first access)."""
+        """A free port on rank 0's host for ``MASTER_PORT`` (collective on first access).
+
+        Raises:
+            RuntimeError: rank 0 found no free port (on every rank).
+
+        Examples:
+            >>> port = dist.MPIEnvironment().main_port  # the same on every rank
+        """
         self._discover()
         return self._main_port  # type: ignore[return-value]
 
     @staticmethod
     def detect() -> bool:
-        """Return True if MPI is initialized and its world has more than one process."""
+        """Return True if MPI is initialized and its world has more than one process.
+
+        Returns:
+            True under an MPI launcher with more than one process.
+
+        Examples:
+            >>> dist.MPIEnvironment.detect()  # under mpiexec -n 2
+            True
+        """
         try:
             from mpi4py import MPI
         except ImportError:
@@ -548,33 +606,80 @@ class MPIEnvironment:
         return MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1
 
     def world_size(self) -> int:
-        """Return the number of processes in MPI's world."""
+        """Return the number of processes in MPI's world.
+
+        Returns:
+            ``MPI.COMM_WORLD``'s size.
+
+        Examples:
+            >>> dist.MPIEnvironment().world_size()
+            2
+        """
         return self._comm_world.Get_size()
 
     def set_world_size(self, size: int) -> None:
-        """Ignore: the MPI launcher fixes the world size."""
+        """Ignore: the MPI launcher fixes the world size.
+
+        Args:
+            size: Ignored (logged at DEBUG level).
+        """
         log.debug("MPIEnvironment.set_world_size was called, but the world size comes from MPI; ignored")
 
     def global_rank(self) -> int:
-        """Return this process's rank in MPI's world."""
+        """Return this process's rank in MPI's world.
+
+        Returns:
+            ``MPI.COMM_WORLD``'s rank.
+
+        Examples:
+            >>> dist.MPIEnvironment().global_rank()
+            0  # rank 0
+            1  # rank 1
+        """
         return self._comm_world.Get_rank()
 
     def set_global_rank(self, rank: int) -> None:
-        """Ignore: the MPI launcher fixes the rank."""
+        """Ignore: the MPI launcher fixes the rank.
+
+        Args:
+            rank: Ignored (logged at DEBUG level).
+        """
         log.debug("MPIEnvironment.set_global_rank was called, but the rank comes from MPI; ignored")
 
     def local_rank(self) -> int:
-        """Return this process's rank among the processes on its host (collective on first call)."""
+        """Return this process's rank among the processes on its host (collective on first call).
+
+        Returns:
+            The host-local rank, counted in global-rank order.
+
+        Examples:
+            >>> dist.MPIEnvironment().local_rank()  # every rank on one host
+            0  # rank 0
+            1  # rank 1
+        """
         self._discover()
         return self._local_rank  # type: ignore[return-value]
 
     def node_rank(self) -> int:
-        """Return the index of this process's host among the sorted host names (collective on first call)."""
+        """Return the index of this process's host among the sorted host names (collective on first call).
+
+        Returns:
+            The node rank, from 0 to the number of hosts - 1.
+
+        Examples:
+            >>> dist.MPIEnvironment().node_rank()  # every rank on one host
+            0
+        """
         self._discover()
         return self._node_rank  # type: ignore[return-value]
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        """Accept any settings (Lightning's hook for environments with constraints)."""
+        """Accept any settings (Lightning's hook for environments with constraints).
+
+        Args:
+            num_devices: Devices per node Lightning was given; not checked.
+            num_nodes: Nodes Lightning was given; not checked.
+        """
 
     def teardown(self) -> None:
         """Nothing to clean up."""
