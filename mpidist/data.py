@@ -69,13 +69,15 @@ class DistributedSampler:
         TypeError: ``dataset`` has no ``__len__``, or an argument has the wrong type.
         ValueError: ``num_replicas < 1`` or ``rank`` outside ``[0, num_replicas - 1]``.
 
-    Example (``mpiexec -n 2``)::
-
+    Examples:
         >>> sampler = dist.DistributedSampler(range(5), shuffle=False)
-        >>> list(sampler)           # [0, 2, 4] on rank 0, [1, 3, 0] on rank 1
+        >>> list(sampler)
+        [0, 2, 4]  # rank 0
+        [1, 3, 0]  # rank 1 (0 repeated: padding)
         >>> for epoch in range(3):
         ...     sampler.set_epoch(epoch)
-        ...     for i in sampler: ...
+        ...     for i in sampler:
+        ...         pass  # train on dataset[i]
     """
 
     def __init__(
@@ -152,6 +154,21 @@ class DistributedSampler:
         """Set the epoch, which seeds the shuffle (with ``seed``): call it before each epoch.
 
         Every rank must use the same epoch, or the ranks' indices overlap.
+
+        Args:
+            epoch: The epoch number, an int.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+
+        Examples:
+            >>> sampler = dist.DistributedSampler(range(6), num_replicas=2, rank=0)
+            >>> sampler.set_epoch(0)
+            >>> list(sampler)
+            [3, 5, 0]
+            >>> sampler.set_epoch(1)
+            >>> list(sampler)  # another order each epoch
+            [4, 2, 5]
         """
         self.epoch = _int(epoch, "DistributedSampler.set_epoch", "epoch")
 
