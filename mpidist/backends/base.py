@@ -101,7 +101,33 @@ class PersistentPlan:
 
 
 class BaseBackend(ABC):
-    """Base class of backends: one instance per process group."""
+    """Base class of backends: one instance per process group.
+
+    A third-party backend subclasses it (or ``mpidist.backends.mpi.MPIBackend``,
+    to change a few calls) and is registered with ``Backend.register_backend``.
+    Its methods take arrays already checked and made contiguous by the public
+    functions, and group ranks; each returns a ``Work`` when asked for
+    ``async_op`` (else None once the call is complete) and raises
+    ``DistBackendError`` on failures and timeouts (``backend_error`` and
+    ``timeout_failure`` build them). The abstract methods are the collectives
+    and ``send``/``recv``; ``mpidist/backends/base.py`` lists the full interface.
+
+    Args:
+        rank: This process's rank in the group.
+        size: The group's size.
+        timeout_s: The group's timeout, in seconds.
+        group_name: The group's name, shown in errors.
+        global_ranks: The members' global ranks, for timeout diagnoses.
+
+    Examples:
+        >>> from mpidist.backends.mpi import MPIBackend
+        >>> class CountingBackend(MPIBackend):
+        ...     name = "counting"
+        ...     calls = 0
+        ...     def all_reduce(self, buf, backs, op, async_op):
+        ...         self.calls += 1
+        ...         return super().all_reduce(buf, backs, op, async_op)
+    """
 
     #: the name ``get_backend()`` reports
     name: str = "undefined"

@@ -73,6 +73,17 @@ class Backend(str, metaclass=_BackendNames):
     string (``Backend("MPI") == "mpi"``). Third-party backends register with
     :meth:`register_backend`; ``backend_list``, ``backend_capability`` and
     ``default_device_backend_map`` (computed from the registry) include them.
+
+    Raises:
+        ValueError: ``Backend(name)`` with a ``name`` that is not a string.
+
+    Examples:
+        >>> dist.Backend("MPI")
+        'mpi'
+        >>> dist.Backend.NCCL == "nccl"
+        True
+        >>> dist.Backend.backend_list[:5]
+        ['undefined', 'gloo', 'nccl', 'ucc', 'mpi']
     """
 
     UNDEFINED = "undefined"
@@ -104,6 +115,29 @@ class Backend(str, metaclass=_BackendNames):
         that also carries the group's private MPI communicator) must return an
         instance of a :class:`~mpidist.backends.base.BaseBackend` subclass.
         Registration lasts for the process (``destroy_process_group`` keeps it).
+
+        Args:
+            name: The backend's name, identifier-like; ``Backend.NAME`` (upper
+                case) then answers it, lowercase.
+            func: The factory, called once per process group that uses the backend.
+            extended_api: Call ``func(options, pg_options)`` instead of
+                ``func(store, rank, world_size, timeout)``.
+            devices: The device types it runs: ``"cpu"``, ``"cuda"`` or a list;
+                None means both.
+
+        Raises:
+            ValueError: ``name`` is not identifier-like, or already registered (or
+                one of torch's names).
+            TypeError: ``func`` is not callable.
+
+        Examples:
+            >>> from mpidist.backends.mpi import MPIBackend
+            >>> def make(options, pg_options):
+            ...     return MPIBackend(options.comm, options.timeout.total_seconds(), options.group_id)
+            >>> dist.Backend.register_backend("mympi", make, extended_api=True, devices="cpu")
+            >>> g = dist.new_group(backend="mympi")
+            >>> dist.get_backend(g)
+            'mympi'
         """
         if not isinstance(name, str) or not name or not name.isidentifier():
             raise ValueError(f"Backend.register_backend: name must be an identifier-like string, got {name!r}")
@@ -123,7 +157,27 @@ class Backend(str, metaclass=_BackendNames):
 
 @dataclass
 class BackendOptions:
-    """What a backend factory gets (torch's ``_DistributedBackendOptions`` plus ``comm``)."""
+    """What a backend factory gets (torch's ``_DistributedBackendOptions`` plus ``comm``).
+
+    Passed as the first argument to a factory registered with
+    ``Backend.register_backend(..., extended_api=True)``.
+
+    Attributes:
+        store: The group's key-value store (a ``PrefixStore`` over the default
+            store), or None when rank 0 could not open one.
+        group_rank: This process's rank in the group.
+        group_size: The group's size.
+        timeout: The group's timeout, a ``datetime.timedelta``.
+        group_id: The group's name (unique in the process).
+        global_ranks_in_group: The members' global ranks, in group-rank order.
+        comm: The group's private MPI communicator (an ``mpi4py.MPI.Comm``).
+
+    Examples:
+        >>> from mpidist.backends.mpi import MPIBackend
+        >>> def make(options, pg_options):
+        ...     print(options.group_rank, options.group_size, options.global_ranks_in_group)
+        ...     return MPIBackend(options.comm, options.timeout.total_seconds(), options.group_id)
+    """
 
     store: Any
     group_rank: int
