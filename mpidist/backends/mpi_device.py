@@ -37,7 +37,8 @@ from ..arrays.host import overlapping_pair, refuse_overlapping_outputs
 from ..reduce_op import RedOpType
 from ..work import Work
 from .base import WrapperBackend
-from .mpi import MPIBackend, type_table
+from .mpi import MPIBackend
+from .mpi_types import type_table
 
 __all__ = ["MPIDeviceBackend", "DeviceStagingWarning"]
 

@@ -21,8 +21,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist._world import world
-from mpidist.backends import halfops
-from mpidist.backends import mpi as mpi_backend
+from mpidist.backends import halfops, mpi_types
 from mpidist.reduce_op import Prim
 
 from helpers import BF16, Checks
@@ -151,13 +150,13 @@ def expected(op: Any, dtype: np.dtype, rows: list[np.ndarray]) -> np.ndarray:
 
 def fallback_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the default group reduce float16/bfloat16 as without the C ops (the entries swapped in its table)."""
-    table = mpi_backend.type_table(SIZE == 1)
-    real = mpi_backend.half_ops
-    monkeypatch.setattr(mpi_backend, "half_ops", lambda dtype: None)
+    table = mpi_types.type_table(SIZE == 1)
+    real = mpi_types.half_ops
+    monkeypatch.setattr(mpi_types, "half_ops", lambda dtype: None)
     try:
-        entries = {dt: mpi_backend._entry(mpi_backend._arrays.DTYPES[dt], SIZE == 1) for dt in HALVES}
+        entries = {dt: mpi_types._entry(mpi_types._arrays.DTYPES[dt], SIZE == 1) for dt in HALVES}
     finally:
-        monkeypatch.setattr(mpi_backend, "half_ops", real)
+        monkeypatch.setattr(mpi_types, "half_ops", real)
     for dt, e in entries.items():
         assert e.half is None
         monkeypatch.setitem(table, dt, e)
@@ -217,13 +216,13 @@ def test_status_and_switch(monkeypatch):
 
 def test_entries_use_the_c_ops_and_stay_native_only_for_devices():
     for dt in HALVES:
-        e = mpi_backend.type_table()[dt]
+        e = mpi_types.type_table()[dt]
         assert e.half is halfops.half_ops(dt)
         assert e.fast[R.SUM] is e.half.by_prim[Prim.SUM] and e.fast[R.MAX] is e.half.by_prim[Prim.MAX]
         assert e.fast[R.AVG] is None and e.fast[R.BAND] is None
         # device arrays (mpi_device.py) go direct only for ops native to MPI: never with mpidist's host-memory ops
         assert not any(isinstance(o, MPI.Op) for o in e.ops)
-        alone = mpi_backend.type_table(True)[dt]
+        alone = mpi_types.type_table(True)[dt]
         assert alone.fast[R.MAX] is None and alone.fast[R.SUM] is e.fast[R.SUM]
 
 

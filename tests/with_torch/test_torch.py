@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist._world import world
-from mpidist.backends.mpi import _reports_self_truncation
+from mpidist.backends.mpi_receive import reports_self_truncation
 
 from helpers import (
     ALL_DTYPES,
@@ -316,7 +316,7 @@ def test_contiguous_tensors_are_used_in_place(case):
         problems.append(f"{torch_copies} staging copies for torch tensors, {numpy_copies} for numpy arrays")
     # a receive from this rank itself goes through a buffer one element longer on a library that truncates
     # such messages silently (Open MPI; see MPIBackend.recv): the two receives of the p2p case at -n 1
-    allowed = 2 if case == "isend/irecv/batch" and SIZE == 1 and not _reports_self_truncation() else 0
+    allowed = 2 if case == "isend/irecv/batch" and SIZE == 1 and not reports_self_truncation() else 0
     if case not in PACKING and torch_copies != allowed:
         problems.append(f"{torch_copies} staging copies for contiguous tensors (expected {allowed})")
     fail_together(problems)
