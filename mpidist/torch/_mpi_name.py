@@ -42,7 +42,20 @@ def _c10d() -> Any:
 
 
 def status() -> str:
-    """What the name "mpi" means on this torch: "installed" (mpidist serves it), "torch has MPI", or why not."""
+    """What the name "mpi" means on this torch: "installed" (mpidist serves it), "torch has MPI", or why not.
+
+    ``mpidist.torch.mpi_name_status`` is this function.
+
+    Returns:
+        ``"installed"`` when ``init_process_group("mpi")`` runs on mpidist,
+        ``"torch has MPI"`` when torch was built with its own MPI backend (which
+        mpidist leaves alone), or ``"not installed: <why>"``.
+
+    Examples:
+        >>> import mpidist.torch
+        >>> mpidist.torch.mpi_name_status()  # torch's pip wheels have no MPI
+        'installed'
+    """
     c10d = _c10d()
     current = getattr(c10d, "ProcessGroupMPI", None)
     if current is autoload.ProcessGroupMPI:

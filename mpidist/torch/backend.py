@@ -55,6 +55,7 @@ from ._work import TorchWork
 __all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
 
 BACKEND_NAME = autoload.BACKEND_NAME  # "mpidist"
+"""The name torch knows mpidist's backend by: ``"mpidist"`` (``init_process_group("mpidist")``)."""
 
 _TorchRedOp = dist.ReduceOp.RedOpType
 #: torch's reduction kinds by number -> mpidist's (``foreign_op``, looked up once: it costs ~1.5 us on torch's
@@ -132,6 +133,13 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
     Created by torch (``init_process_group("mpidist")``, ``new_group``); not by
     users. ``mpidist_group`` is the underlying :class:`mpidist.ProcessGroup`
     (its ``mpi_comm`` is the group's MPI communicator).
+
+    Examples:
+        >>> import torch.distributed as tdist
+        >>> tdist.init_process_group("mpidist")  # under mpiexec -n 2
+        >>> pg = tdist.group.WORLD
+        >>> type(pg).__name__, pg.mpidist_group.size()
+        ('ProcessGroupMPIDist', 2)
     """
 
     #: marks torch groups that are mpidist's (for _mpidist_autoload, which does not import this module)
@@ -432,7 +440,20 @@ def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGr
 
 
 def register() -> None:
-    """Register the ``"mpidist"`` backend with torch, and the rest of ``_mpidist_autoload.install`` (idempotent)."""
+    """Register the ``"mpidist"`` backend with torch, and the rest of ``_mpidist_autoload.install`` (idempotent).
+
+    ``import mpidist.torch`` calls it, and so does ``import torch`` through torch's
+    entry points when mpidist is installed (unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
+    or ``MPIDIST_TORCH_AUTOLOAD=0``). It also lets ``"mpi"`` run on mpidist where
+    torch was built without MPI (see ``mpi_name_status``).
+
+    Examples:
+        >>> import mpidist.torch
+        >>> mpidist.torch.register()  # again: nothing changes
+        >>> import torch.distributed as tdist
+        >>> tdist.Backend.MPIDIST
+        'mpidist'
+    """
     autoload.install()
 
 
