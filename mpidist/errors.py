@@ -13,19 +13,54 @@ __all__ = [
 
 
 class DistError(RuntimeError):
-    """Base class of every error raised while communicating."""
+    """Base class of every error raised while communicating.
+
+    A ``RuntimeError``. Bad arguments raise ``TypeError`` or ``ValueError`` instead,
+    before anything is sent. A group whose call failed on one rank alone (while
+    the others may have sent their part) raises it for every later call on that
+    rank.
+
+    Examples:
+        >>> try:
+        ...     dist.all_reduce(x)
+        ... except dist.DistError as exc:  # a timeout, an MPI failure, a refused group
+        ...     print(exc)
+    """
 
 
 class DistBackendError(DistError):
-    """A failure inside the backend (MPI, NCCL) or a timeout of a call."""
+    """A failure inside the backend (MPI, NCCL) or a timeout of a call.
+
+    A timeout's message names the call, its number on the group, the ranks that
+    have not arrived (where they are waiting, when they say), and whether the
+    group is still usable.
+
+    Examples:
+        >>> if dist.get_rank() == 0:
+        ...     dist.barrier(timeout=1)  # rank 1 never calls it
+        Traceback (most recent call last):
+        DistBackendError: barrier (call #1) on group 0 (mpi, rank 0 of 2) did not complete within the timeout of 1 s. Rank 1: no answer (not waiting in an mpidist call: busy elsewhere, hung or dead). The group is unusable now (the call is still pending inside MPI): destroy it, or end the job (mpidist.abort_process_group).
+    """
 
 
 class DistStoreError(DistError):
-    """A failure of a key-value store (missing key after the timeout, ...)."""
+    """A failure of a key-value store (missing key after the timeout, ...).
+
+    Examples:
+        >>> dist.HashStore(timeout=0.1).get("missing")
+        Traceback (most recent call last):
+        DistStoreError: HashStore.get: key 'missing' was not set within the timeout of 0:00:00.100000
+    """
 
 
 class DistNetworkError(DistError):
-    """A failure of the network underneath a store or a backend."""
+    """A failure of the network underneath a store or a backend.
+
+    Examples:
+        >>> dist.TCPStore("127.0.0.1", 1, 2, False, timeout=1)  # nothing listens on port 1
+        Traceback (most recent call last):
+        DistNetworkError: TCPStore: could not connect to a TCPStore server at 127.0.0.1:1 within 0:00:01 (last error: [Errno 111] Connection refused); ...
+    """
 
 
 class RankNotInGroupError(ValueError, RuntimeError):
@@ -34,6 +69,11 @@ class RankNotInGroupError(ValueError, RuntimeError):
     It is a ValueError (a wrong argument) and, as torch.distributed documents for
     ``get_group_rank``/``get_global_rank``, a RuntimeError, so either ``except``
     clause catches it.
+
+    Examples:
+        >>> dist.get_group_rank(dist.group.WORLD, 5)  # under mpiexec -n 2
+        Traceback (most recent call last):
+        RankNotInGroupError: get_group_rank: global_rank=5 is not a member of process group 0 (its global ranks: [0, 1])
     """
 
 
@@ -42,4 +82,10 @@ class DefaultGroupStateError(ValueError, RuntimeError):
 
     torch raises a ValueError for both; mpidist raised a RuntimeError before, so
     this is both and either ``except`` clause catches it.
+
+    Examples:
+        >>> dist.init_process_group()
+        >>> dist.init_process_group()
+        Traceback (most recent call last):
+        DefaultGroupStateError: init_process_group: the default process group is already initialized; call destroy_process_group() first
     """
