@@ -364,7 +364,12 @@ def all_gather_into_tensor(
 
 
 all_gather_single = all_gather_into_tensor
-"""Another name for :func:`all_gather_into_tensor` (torch's ``_all_gather_base``, Lightning's name)."""
+"""Another name for :func:`all_gather_into_tensor` (torch's ``_all_gather_base``, Lightning's name).
+
+Examples:
+    >>> dist.all_gather_single is dist.all_gather_into_tensor
+    True
+"""
 
 
 def _root_list(
@@ -643,7 +648,12 @@ def reduce_scatter_tensor(
 
 
 reduce_scatter_single = reduce_scatter_tensor
-"""Another name for :func:`reduce_scatter_tensor` (torch's ``_reduce_scatter_base``)."""
+"""Another name for :func:`reduce_scatter_tensor` (torch's ``_reduce_scatter_base``).
+
+Examples:
+    >>> dist.reduce_scatter_single is dist.reduce_scatter_tensor
+    True
+"""
 
 
 def all_to_all_single(

@@ -22,7 +22,7 @@ class DistError(RuntimeError):
 
     Examples:
         >>> try:
-        ...     dist.all_reduce(x)
+        ...     dist.all_reduce(np.ones(2))
         ... except dist.DistError as exc:  # a timeout, an MPI failure, a refused group
         ...     print(exc)
     """

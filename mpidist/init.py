@@ -56,7 +56,12 @@ __all__ = [
 ]
 
 default_pg_timeout = timedelta(minutes=30)
-"""torch.distributed's default timeout for process groups: 30 minutes (a ``datetime.timedelta``)."""
+"""torch.distributed's default timeout for process groups: 30 minutes (a ``datetime.timedelta``).
+
+Examples:
+    >>> dist.default_pg_timeout
+    datetime.timedelta(seconds=1800)
+"""
 
 _SCHEMES = ("env", "tcp", "file")
 

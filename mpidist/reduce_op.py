@@ -174,7 +174,12 @@ def make_premul_sum(factor: Any) -> ReduceOp:
 
 
 _make_nccl_premul_sum = make_premul_sum
-"""torch's private name for :func:`make_premul_sum` (``torch.distributed._make_nccl_premul_sum``)."""
+"""torch's private name for :func:`make_premul_sum` (``torch.distributed._make_nccl_premul_sum``).
+
+Examples:
+    >>> dist._make_nccl_premul_sum(0.5)
+    ReduceOp.PREMUL_SUM(0.5)
+"""
 
 
 def _op_type(op: Any, fn: str) -> RedOpType:
@@ -229,7 +234,12 @@ class _DeprecatedReduceOp:
 
 reduce_op = _DeprecatedReduceOp()
 """Deprecated spelling of :class:`ReduceOp` (as in torch): ``reduce_op.SUM`` warns (FutureWarning)
-and returns ``ReduceOp.SUM``."""
+and returns ``ReduceOp.SUM``.
+
+Examples:
+    >>> dist.reduce_op.SUM  # FutureWarning: mpidist.reduce_op is deprecated, use mpidist.ReduceOp instead
+    <RedOpType.SUM: 0>
+"""
 
 
 class Prim(IntEnum):

@@ -561,7 +561,12 @@ class MPIEnvironment:
 
     @property
     def creates_processes_externally(self) -> bool:
-        """True: the MPI launcher starts the processes."""
+        """True: the MPI launcher starts the processes.
+
+        Examples:
+            >>> dist.MPIEnvironment().creates_processes_externally
+            True
+        """
         return True
 
     @property
@@ -622,6 +627,12 @@ class MPIEnvironment:
 
         Args:
             size: Ignored (logged at DEBUG level).
+
+        Examples:
+            >>> env = dist.MPIEnvironment()
+            >>> env.set_world_size(8)
+            >>> env.world_size()  # under mpiexec -n 2
+            2
         """
         log.debug("MPIEnvironment.set_world_size was called, but the world size comes from MPI; ignored")
 
@@ -643,6 +654,13 @@ class MPIEnvironment:
 
         Args:
             rank: Ignored (logged at DEBUG level).
+
+        Examples:
+            >>> env = dist.MPIEnvironment()
+            >>> env.set_global_rank(5)
+            >>> env.global_rank()
+            0  # rank 0
+            1  # rank 1
         """
         log.debug("MPIEnvironment.set_global_rank was called, but the rank comes from MPI; ignored")
 
@@ -679,10 +697,17 @@ class MPIEnvironment:
         Args:
             num_devices: Devices per node Lightning was given; not checked.
             num_nodes: Nodes Lightning was given; not checked.
+
+        Examples:
+            >>> dist.MPIEnvironment().validate_settings(num_devices=1, num_nodes=2)
         """
 
     def teardown(self) -> None:
-        """Nothing to clean up."""
+        """Nothing to clean up.
+
+        Examples:
+            >>> dist.MPIEnvironment().teardown()
+        """
 
     def _discover(self) -> None:
         """Learn every rank's host name, and rank 0's port, in one all-gather."""

@@ -436,7 +436,6 @@ class Store:
             TypeError: ``key`` is not a str.
 
         Examples:
-
             >>> store.set("first_key", "x")
             >>> store.delete_key("first_key")
             True
@@ -456,7 +455,6 @@ class Store:
             TypeError: ``key`` is not a str, or ``value`` neither a str nor bytes-like.
 
         Examples:
-
             >>> store.append("log", "a")
             >>> store.append("log", "b")
             >>> store.get("log")

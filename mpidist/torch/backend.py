@@ -55,7 +55,13 @@ from ._work import TorchWork
 __all__ = ["ProcessGroupMPIDist", "create_process_group", "BACKEND_NAME"]
 
 BACKEND_NAME = autoload.BACKEND_NAME  # "mpidist"
-"""The name torch knows mpidist's backend by: ``"mpidist"`` (``init_process_group("mpidist")``)."""
+"""The name torch knows mpidist's backend by: ``"mpidist"`` (``init_process_group("mpidist")``).
+
+Examples:
+    >>> import mpidist.torch
+    >>> mpidist.torch.BACKEND_NAME
+    'mpidist'
+"""
 
 _TorchRedOp = dist.ReduceOp.RedOpType
 #: torch's reduction kinds by number -> mpidist's (``foreign_op``, looked up once: it costs ~1.5 us on torch's
@@ -159,7 +165,12 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
 
     @property
     def mpidist_group(self) -> Any:
-        """The mpidist ProcessGroup of this group (its main lane)."""
+        """The mpidist ProcessGroup of this group (its main lane).
+
+        Examples:
+            >>> tdist.group.WORLD.mpidist_group.mpi_comm.Get_size()  # after init_process_group("mpidist")
+            2
+        """
         return self._main
 
     def _lane(self) -> Any:
