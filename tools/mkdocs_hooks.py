@@ -4,6 +4,10 @@ docs/ is also read on its own, in a checkout or a repository browser, so its pag
 files of the repository outside docs/ (``[...](../examples/cg_persistent.py)``). The site holds
 a copy of each such file under ``repo/`` and the links point there, so that they work on the site
 too and ``mkdocs build --strict`` still fails on every link that resolves nowhere.
+
+The docstrings name other objects with Sphinx roles (``:func:`all_reduce```,
+``:class:`~mpidist.store.TCPStore```), which Markdown renders as the role's text followed by
+the name in code: the role is dropped, and a ``~`` name keeps its last part, as Sphinx shows it.
 """
 
 from __future__ import annotations
@@ -50,3 +54,12 @@ def on_page_markdown(markdown, page, config, files):
         return "](" + posixpath.relpath(f"{REPO_DIR}/{rel}", posixpath.dirname(page.file.src_uri) or ".")
 
     return LINK.sub(repoint, markdown)
+
+
+#: what Markdown made of a Sphinx role in a docstring: ":func:<code>~mpidist.all_reduce</code>"
+ROLE = re.compile(r":(?:func|meth|class|attr|data|mod|exc|obj):<code>(~[\w.]*\.)?([^<]*)</code>")
+
+
+def on_page_content(html, page, config, files):
+    return ROLE.sub(lambda m: f"<code>{m.group(2)}</code>", html)
+

@@ -43,6 +43,7 @@ def test_the_api_reference_has_every_public_name():
     )
     public = {ast.literal_eval(elt) for elt in exported.elts} - {"__version__"}
     reference = "".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
-    documented = set(re.findall(r"^::: mpidist\.(\w+)$", reference, re.M))
+    # mpidist.NAME, or mpidist.MODULE.NAME where NAME is also a module's name (reduce_op); not mpidist.torch
+    documented = set(re.findall(r"^::: mpidist\.(?!torch\.)(?:\w+\.)?(\w+)$", reference, re.M))
     assert not public - documented, f"docs/reference/ has no '::: mpidist.NAME' for {sorted(public - documented)}"
     assert not documented - public, f"docs/reference/ documents names mpidist does not export: {sorted(documented - public)}"
