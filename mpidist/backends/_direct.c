@@ -135,8 +135,18 @@ static int array_of(PyObject *o, int writeable, void **data, int *count) {
     if (!PyArray_Check(o)) return 0;
     PyArrayObject *a = (PyArrayObject *)o;
     if (!PyArray_IS_C_CONTIGUOUS(a) || (writeable && !PyArray_ISWRITEABLE(a))) return 0;
-    npy_intp n = PyArray_SIZE(a); /* numpy keeps it within npy_intp */
-    if (n > INT_MAX) return 0;    /* past an int count (MPI-4's large-count calls: through mpi4py) */
+    /* the element count, inline (PyArray_SIZE is a call through numpy's API table: a few ns per call) */
+    int nd = PyArray_NDIM(a);
+    npy_intp *dims = PyArray_DIMS(a), n = 1;
+    for (int i = 0; i < nd; i++) {
+        npy_intp d = dims[i];
+        if (d == 0) {
+            n = 0;
+            break;
+        }
+        if (d > INT_MAX / n) return 0; /* past an int count (MPI-4's large-count calls: through mpi4py) */
+        n *= d;
+    }
     *data = PyArray_DATA(a);
     *count = (int)n;
     return 1;
