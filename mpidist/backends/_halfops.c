@@ -366,5 +366,8 @@ PyMODINIT_FUNC PyInit__halfops(void) {
         Py_DECREF(m);
         return NULL;
     }
+#ifdef Py_GIL_DISABLED
+    if (m != NULL) PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED); /* free-threaded Python: S assumes the GIL */
+#endif
     return m;
 }
