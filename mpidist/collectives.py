@@ -118,7 +118,7 @@ def broadcast(
             raise pg.failed_in_role(fn, exc, tensor)  # noqa: B904 - exc itself
     w = pg.broadcast(buf, None if target is None else [(buf, target)], root, async_op)
     if w is not None:
-        w._outputs = [tensor]
+        w.with_outputs([tensor])
     return w
 
 
@@ -173,7 +173,7 @@ def all_reduce(tensor: Any, op: Any = SUM, group: ProcessGroup | None = None, as
     buf, target = prepare_inout(tensor, "all_reduce", "tensor")
     w = pg.all_reduce(buf, None if target is None else [(buf, target)], op, async_op)
     if w is not None:
-        w._outputs = [tensor]
+        w.with_outputs([tensor])
     return w
 
 
@@ -241,7 +241,7 @@ def reduce(
         buf, target = prepare_input(tensor, fn, "tensor"), None
     w = pg.reduce(buf, None if target is None else [(buf, target)], op, root, async_op)
     if w is not None:
-        w._outputs = [tensor]
+        w.with_outputs([tensor])
     return w
 
 
@@ -295,7 +295,7 @@ def all_gather(
     check_own_size(fn, outs[pg.rank()], "tensor_list", pg.rank(), inp, "tensor")
     w = pg.all_gather(outs, backs or None, inp, async_op)
     if w is not None:
-        w._outputs = list(tensor_list)
+        w.with_outputs(list(tensor_list))
     return w
 
 
@@ -359,7 +359,7 @@ def all_gather_into_tensor(
         check_block_shapes(fn, out, inp, n, "output_tensor", "input_tensor")
     w = pg.all_gather_into_tensor(out, None if target is None else [(out, target)], inp, async_op)
     if w is not None:
-        w._outputs = [output_tensor]
+        w.with_outputs([output_tensor])
     return w
 
 
@@ -459,7 +459,7 @@ def gather(
     outs, backs = _root_list(pg, root, gather_list, fn, "gather_list", "destination", inp, True)
     w = pg.gather(inp, outs, backs or None, root, async_op)
     if w is not None:
-        w._outputs = list(gather_list) if pg.rank() == root else []
+        w.with_outputs(list(gather_list) if pg.rank() == root else [])
     return w
 
 
@@ -525,7 +525,7 @@ def scatter(
     ins, _ = _root_list(pg, root, scatter_list, fn, "scatter_list", "source", out, False)
     w = pg.scatter(out, backs, ins, root, async_op)
     if w is not None:
-        w._outputs = [tensor]
+        w.with_outputs([tensor])
     return w
 
 
@@ -581,7 +581,7 @@ def reduce_scatter(
     check_own_size(fn, ins[pg.rank()], "input_list", pg.rank(), out, "output")
     w = pg.reduce_scatter(out, None if target is None else [(out, target)], ins, op, async_op)
     if w is not None:
-        w._outputs = [output]
+        w.with_outputs([output])
     return w
 
 
@@ -643,7 +643,7 @@ def reduce_scatter_tensor(
         check_block_shapes(fn, inp, out, n, "input", "output")
     w = pg.reduce_scatter_tensor(out, None if target is None else [(out, target)], inp, op, async_op)
     if w is not None:
-        w._outputs = [output]
+        w.with_outputs([output])
     return w
 
 
@@ -732,7 +732,7 @@ def all_to_all_single(
         in_counts, out_counts = all_to_all_counts(fn, out, inp, output_split_sizes, input_split_sizes, n)
     w = pg.all_to_all_single(out, None if target is None else [(out, target)], inp, out_counts, in_counts, async_op)
     if w is not None:
-        w._outputs = [output]
+        w.with_outputs([output])
     return w
 
 
@@ -799,7 +799,7 @@ def all_to_all(
         )
     w = pg.all_to_all(outs, backs or None, ins, async_op)
     if w is not None:
-        w._outputs = list(output_tensor_list)
+        w.with_outputs(list(output_tensor_list))
     return w
 
 
@@ -931,7 +931,7 @@ def all_reduce_coalesced(
         offset += a.size
     w = pg.all_reduce_packed(packed, backs + devices, op, async_op)
     if w is not None:
-        w._outputs = list(tensors)
+        w.with_outputs(list(tensors))
     return w
 
 
@@ -1017,5 +1017,5 @@ def all_gather_coalesced(
             offset += o.size
     w = pg.all_gather_packed(flat, backs + devices, packed, async_op)
     if w is not None:
-        w._outputs = [output_tensor_lists]
+        w.with_outputs([output_tensor_lists])
     return w

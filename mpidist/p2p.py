@@ -34,14 +34,14 @@ def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
 def _start_send(pg: ProcessGroup, tensor: Any, peer: int, tag: Any, fn: str) -> Work:
     buf = prepare_input(tensor, fn, "tensor")
     w = pg.send(buf, peer, tag_value(tag, fn))
-    w._outputs = [tensor]
+    w.with_outputs([tensor])
     return w
 
 
 def _start_recv(pg: ProcessGroup, tensor: Any, peer: int | None, tag: Any, fn: str) -> Work:
     buf, target = prepare_output(tensor, fn, "tensor")
     w = pg.recv(buf, None if target is None else [(buf, target)], peer, tag_value(tag, fn))
-    w._outputs = [tensor]
+    w.with_outputs([tensor])
     return w
 
 
@@ -237,7 +237,7 @@ def recv(
     buf, target = prepare_output(tensor, "recv", "tensor")
     # waited for at once: the backend may match the message before writing (sharp-bits: receive sizes)
     w = pg.recv_blocking(buf, None if target is None else [(buf, target)], peer, tag_value(tag, "recv"))
-    w._outputs = [tensor]
+    w.with_outputs([tensor])
     w.wait()
     return pg.ranks[w.source_rank()]
 
@@ -368,5 +368,5 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             raise
     works = pg.batch_p2p(prepared)
     for w, p in zip(works, p2p_op_list):
-        w._outputs = [p.tensor]
+        w.with_outputs([p.tensor])
     return works

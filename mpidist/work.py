@@ -348,6 +348,16 @@ class Work:
         self._status = status
         self._timeout = timeout_s
 
+    def with_outputs(self, outputs: list[Any]) -> Work:
+        """Name the arrays :meth:`result` and the Future give: the caller's own objects; return this Work.
+
+        A backend makes the Work from the buffers it was handed (a torch tensor's numpy
+        view, a staged copy); the public function that called it knows the arrays the
+        caller passed and hands them over here, once, before returning the Work.
+        """
+        self._outputs = outputs
+        return self
+
     def __del__(self) -> None:
         if not self._done and self._owner is not None:  # dropped while MPI still uses its buffers
             try:
