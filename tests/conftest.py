@@ -6,6 +6,7 @@ Run under ``mpiexec -n N python -m pytest --with-mpi`` for N = 1..4.
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -20,9 +21,46 @@ import mpidist as dist
 # import: a folder tests/torch would make `import torch` find it where torch is not installed.)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import KINDS, Maker, require_kind  # noqa: E402 - after the sys.path line
+from helpers import KINDS, Checks, Maker, require_kind  # noqa: E402 - after the sys.path line
 
 pytest_plugins = ["mpidist.testing"]
+
+#: MPIDIST_TEST_ONE_LIBRARY=0 leaves out the tests marked one_library (dev.py test sets it for its second library)
+ONE_LIBRARY_ENV = "MPIDIST_TEST_ONE_LIBRARY"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the work another run of ``dev.py test`` already does: the same on every rank.
+
+    The suite runs at world sizes 1 to 4, under MPICH and under Open MPI. Two markers say what a
+    larger world or another library would only repeat (they are deselected, not skipped):
+
+    * ``one_rank``: the test talks to no other rank (a store of its own, argument parsing, a C check
+      against Python, ...) or starts processes or jobs of its own (mpiexec, torchrun, plain python):
+      at world size N each rank would do the same work again, or ranks 1..N-1 would wait at a
+      barrier. It runs in the world of one rank only.
+    * ``one_library``: the test does not depend on the MPI library (the docs, the import graph, the
+      stores, Slurm's variables): under ``MPIDIST_TEST_ONE_LIBRARY=0`` (dev.py's second library) it
+      is left out.
+
+    A test that checks anything across ranks (a collective, a group, an error every rank raises
+    together) takes neither: it runs at every world size.
+    """
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+    one_library_done = os.environ.get(ONE_LIBRARY_ENV, "1").strip() == "0"
+    keep, drop = [], []
+    for item in items:
+        if (size > 1 and item.get_closest_marker("one_rank")) or (
+            one_library_done and item.get_closest_marker("one_library")
+        ):
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture
@@ -33,6 +71,13 @@ def rank() -> int:
 @pytest.fixture
 def world_size() -> int:
     return dist.get_world_size()
+
+
+@pytest.fixture
+def checks() -> Checks:
+    """The test's failed checks, collected (helpers.Checks); the test ends with ``checks.done()``, a collective
+    that fails every rank together if any rank has one."""
+    return Checks()
 
 
 @pytest.fixture(params=KINDS)

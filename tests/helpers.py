@@ -178,6 +178,47 @@ class Checks:
         fail_together(self.failures)
 
 
+def raises_together(exc: type[BaseException], match: str, fn, *args, **kwargs) -> None:
+    """Like ``pytest.raises`` around ``fn``, but a mismatch fails the test on every rank at once."""
+    fail_together(check_raises(exc, match, fn, *args, **kwargs))
+
+
+def inputs_of(n: int, shape: tuple[int, ...], dtype: Any, salt: int = 0) -> list[np.ndarray]:
+    """Every rank's ``rank_input`` in a world of ``n`` ranks (what the references are built from)."""
+    return [rank_input(r, shape, np.dtype(dtype), salt) for r in range(n)]
+
+
+def copies() -> int:
+    """How many staging copies this rank's mpidist has made so far (``world.stats.copies``)."""
+    from mpidist._world import world
+
+    return world.stats.copies
+
+
+def timeout_head(op: str, seq: int, g: Any, timeout: str = "1") -> str:
+    """The start of the timeout message of ``op`` (call ``seq``) on the MPI group ``g``, on this rank (a regex)."""
+    return (
+        rf"^{op} \(call #{seq}\) on group {re.escape(g.group_name)} \(mpi, rank {g.rank()} of {g.size()}\) "
+        rf"did not complete within the timeout of {timeout} s\."
+    )
+
+
+def sum_ok(c: Checks, g: Any) -> None:
+    """Record whether an all_reduce of [r+1, 10 r] on ``g`` (of every rank) gives the exact sums: the group works."""
+    n = MPI.COMM_WORLD.Get_size()
+    x = np.array([MPI.COMM_WORLD.Get_rank() + 1.0, 10.0 * MPI.COMM_WORLD.Get_rank()])
+    dist.all_reduce(x, group=g)
+    c.equal("all_reduce afterwards", x, np.array([n * (n + 1) / 2, 10.0 * n * (n - 1) / 2]))
+
+
+def nccl_reference(arrays: list[np.ndarray], op: Any) -> np.ndarray:
+    """:func:`reference`, with complex AVG divided per component (correctly rounded, as NCCL's float pairs)."""
+    if op == dist.ReduceOp.AVG and arrays[0].dtype.kind == "c":
+        total = reference(arrays, dist.ReduceOp.SUM).astype(np.complex128)
+        return (total.view(np.float64) / len(arrays)).view(np.complex128).astype(arrays[0].dtype)
+    return reference(arrays, op)
+
+
 def check_raises(exc: type[BaseException], match: str, fn, *args, **kwargs) -> list[str]:
     """Call ``fn``; return what is wrong (no exception, another type, another message) instead of raising."""
     name = getattr(fn, "__name__", repr(fn))
@@ -462,6 +503,48 @@ def run_plain_world(script: str, envs: list[dict[str, str]], args: list[list[str
         assert lines, f"process {r} printed no result:\n{out}\n{err[-3000:]}"
         results.append(json.loads(lines[0][len("RESULT ") :]))
     return results
+
+
+def gloo_group(prefix: str, timeout: Any = None) -> Any:
+    """A context manager for a module fixture: a gloo group over every process (rank and size from MPI).
+
+    torch.distributed's default group on gloo through a ``file://`` rendezvous in a directory rank 0
+    makes (``prefix``), or a new gloo group where torch.distributed is already initialized; destroyed,
+    and the directory removed, on exit. Skips where torch has no gloo. ``timeout``: 120 s by default.
+    """
+    import contextlib
+    import shutil
+    import tempfile
+    from datetime import timedelta
+
+    torch = pytest.importorskip("torch")
+    tdist = pytest.importorskip("torch.distributed")
+
+    @contextlib.contextmanager
+    def group() -> Any:
+        if not tdist.is_available() or not tdist.is_gloo_available():
+            pytest.skip("this torch has no gloo backend")
+        torch.set_num_threads(1)  # the ranks share few cores
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        wait = timeout if timeout is not None else timedelta(seconds=120)
+        owned = not tdist.is_initialized()
+        tmpdir = comm.bcast(tempfile.mkdtemp(prefix=prefix) if rank == 0 else None, root=0)
+        if owned:
+            tdist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=rank, world_size=size,
+                                     timeout=wait)  # fmt: skip
+            pg = tdist.group.WORLD
+        else:  # someone else initialized torch.distributed: a gloo group of our own
+            pg = tdist.new_group(backend="gloo", timeout=wait)
+        try:
+            yield pg
+        finally:
+            tdist.destroy_process_group(None if owned else pg)
+            comm.barrier()
+            if rank == 0:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+    return group()
 
 
 def torch_groups_with_gloo(prefix: str, timeout: Any) -> Any:

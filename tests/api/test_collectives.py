@@ -22,7 +22,6 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._world import world
 from mpidist.backends.mpi import type_table
 
 from helpers import (
@@ -34,7 +33,9 @@ from helpers import (
     Maker,
     assert_equal,
     assert_identical_on_all_ranks,
+    copies,
     fail_together,
+    inputs_of,
     kind,
     rank_input,
     reference,
@@ -49,20 +50,6 @@ SHAPE = (2, 3)
 # ---------------------------------------------------------------------------------------
 # small helpers (local to this file)
 # ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def checks() -> Checks:
-    return Checks()
-
-
-def copies() -> int:
-    return world.stats.copies
-
-
-def inputs_of(n: int, shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> list[np.ndarray]:
-    """Every rank's ``rank_input`` (what the reference reductions are built from)."""
-    return [rank_input(r, shape, dtype, salt) for r in range(n)]
 
 
 # Reductions valid for each dtype kind (from the spec and the ReduceOp docs), by name.

@@ -24,7 +24,7 @@ from mpidist import Backend, BackendOptions, BaseBackend
 from mpidist.backends.mpi import MPIBackend
 from mpidist.testing import backend_of
 
-from helpers import check_raises, fail_together
+from helpers import check_raises, fail_together, raises_together
 
 #: the timeout the harness gives the session's group (see conftest.py)
 PG_TIMEOUT_S = float(os.environ.get("MPIDIST_TEST_PG_TIMEOUT", "90"))
@@ -45,11 +45,6 @@ def check_world_works(group=None) -> None:
     x = np.array([me + 1, 7], np.int64)
     dist.all_reduce(x, group=group)
     np.testing.assert_array_equal(x, [n * (n + 1) // 2, 7 * n])
-
-
-def raises_together(exc: type[BaseException], match: str, fn, *args, **kwargs) -> None:
-    """Like ``pytest.raises`` around ``fn``, but a mismatch fails the test on every rank at once."""
-    fail_together(check_raises(exc, match, fn, *args, **kwargs))
 
 
 def expect_init_value_error(match: str, exc: type[BaseException] = ValueError, **kwargs) -> None:

@@ -31,7 +31,6 @@ from helpers import (
     ALL_DTYPES,
     BF16,
     FAMILIES,
-    Checks,
     Maker,
     check_raises,
     fail_together,
@@ -40,6 +39,7 @@ from helpers import (
     rank_input,
     reference,
     sentinel,
+    timeout_head,
     to_numpy,
 )
 
@@ -55,11 +55,6 @@ RUNS = 3  # runs of each operation, with new input values each time
 #: the timeout (seconds) of the groups whose operations are meant to time out, and the slack allowed
 T = 1.0
 SLACK = 2.0
-
-
-@pytest.fixture
-def checks() -> Checks:
-    return Checks()
 
 
 @pytest.fixture
@@ -746,13 +741,6 @@ def test_probe_of_this_library():
 NO_ANSWER = r"no answer \(not waiting in an mpidist call"
 
 
-def _head(op: str, seq: int, g: Any, timeout: str = "1") -> str:
-    return (
-        rf"^{op} \(call #{seq}\) on group {re.escape(g.group_name)} \(mpi, rank {g.rank()} of {g.size()}\) "
-        rf"did not complete within the timeout of {timeout} s\."
-    )
-
-
 def _expect_timeout(fn: Any, patterns: list[str], bound: float, what: str) -> list[str]:
     start = time.monotonic()
     try:
@@ -787,7 +775,7 @@ def test_a_rank_that_never_starts_makes_the_others_time_out(path, monkeypatch, r
         p.start()
         op, number = ("persistent all_reduce", seq) if path == "persistent" else ("all_reduce", seq + 1)
         problems += _expect_timeout(
-            p.wait, [_head(op, number, g), rf"Rank 1: {NO_ANSWER}", "The group is unusable now"], T + SLACK, "wait"
+            p.wait, [timeout_head(op, number, g), rf"Rank 1: {NO_ANSWER}", "The group is unusable now"], T + SLACK, "wait"
         )
         problems += check_raises(RuntimeError, r"^Persistent\.start: .* failed and cannot be started again", p.start)
         problems += check_raises(DistBackendError, "did not complete within the timeout", p.wait)
@@ -810,7 +798,7 @@ def test_wait_timeout_overrides_the_group_timeout(rank, world_size):
     else:
         p.start()
         problems += _expect_timeout(
-            lambda: p.wait(timeout=T), [_head("persistent broadcast", calls_issued(g), g)], T + SLACK, "wait(timeout=1)"
+            lambda: p.wait(timeout=T), [timeout_head("persistent broadcast", calls_issued(g), g)], T + SLACK, "wait(timeout=1)"
         )
     p.free()
     dist.barrier()
@@ -828,7 +816,7 @@ def test_a_rank_that_never_creates_makes_the_others_time_out(rank, world_size):
     else:
         problems += _expect_timeout(
             lambda: dist.all_gather_into_tensor_init(np.zeros(2 * world_size), np.zeros(2), group=g),
-            [_head(r"all_gather_into_tensor_init \(every rank creates it, in the same order\)", 1, g),
+            [timeout_head(r"all_gather_into_tensor_init \(every rank creates it, in the same order\)", 1, g),
              rf"Rank 1: {NO_ANSWER}"],
             T + SLACK, "all_gather_into_tensor_init",
         )  # fmt: skip

@@ -13,6 +13,8 @@ import mpidist as dist
 from mpidist import ReduceOp
 from mpidist.reduce_op import RedOpType
 
+from helpers import raises_together
+
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 
@@ -27,26 +29,6 @@ TORCH_NUMBERING = {
     "BXOR": 7,
     "PREMUL_SUM": 8,
 }
-
-
-def fail_together(problems: list[str]) -> None:
-    """Fail on every rank if any rank found a problem (so no rank runs ahead into a collective)."""
-    everyone = MPI.COMM_WORLD.allgather(problems)
-    bad = {r: p for r, p in enumerate(everyone) if p}
-    assert not bad, f"problems by rank: {bad}"
-
-
-def raises_together(exc: type[BaseException], match: str, fn, *args, **kwargs) -> None:
-    """Like ``pytest.raises`` around ``fn``, but a mismatch fails the test on every rank at once."""
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        problems = [] if re.search(match, str(e)) else [f"message {str(e)!r} does not match {match!r}"]
-    except Exception as e:  # noqa: BLE001 - reported below
-        problems = [f"raised {type(e).__name__}: {e} instead of {exc.__name__}"]
-    else:
-        problems = [f"did not raise {exc.__name__}"]
-    fail_together(problems)
 
 
 def check_group_works() -> None:

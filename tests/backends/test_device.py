@@ -21,7 +21,7 @@ from mpidist.backends.mpi_device import DeviceStagingWarning
 from mpidist.testing import HostCudaArray
 from mpidist.testing.standin import HostOps
 
-from helpers import BF16, check_raises, fail_together, rank_input, reference
+from helpers import BF16, check_raises, copies, fail_together, rank_input, reference
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -39,10 +39,6 @@ def mode(request, monkeypatch):
 
 def dev(a: np.ndarray, stream: int | None = 7) -> HostCudaArray:
     return HostCudaArray(np.ascontiguousarray(a), stream)
-
-
-def copies() -> int:
-    return world.stats.copies
 
 
 def expect(problems: list[str], what: str, got: np.ndarray, want: np.ndarray, close: bool = False) -> None:

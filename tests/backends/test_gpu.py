@@ -23,7 +23,17 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist.testing import backend_of
 
-from helpers import BF16, fail_together, filled, rank_input, reference, sentinel, to_kind, to_numpy
+from helpers import (
+    BF16,
+    fail_together,
+    filled,
+    inputs_of,
+    nccl_reference,
+    rank_input,
+    sentinel,
+    to_kind,
+    to_numpy,
+)
 from helpers import Checks as BaseChecks
 
 cp = pytest.importorskip("cupy")
@@ -100,17 +110,6 @@ def group():
     dist.destroy_process_group(g)
 
 
-def inputs(shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> list[np.ndarray]:
-    return [rank_input(r, shape, dtype, salt) for r in range(SIZE)]
-
-
-def ref(arrays: list[np.ndarray], op: Any) -> np.ndarray:
-    if op == R.AVG and arrays[0].dtype.kind == "c":  # per component, as NCCL's float pairs
-        total = reference(arrays, R.SUM).astype(np.complex128)
-        return (total.view(np.float64) / len(arrays)).view(np.complex128).astype(arrays[0].dtype)
-    return reference(arrays, op)
-
-
 def nccl_reduces(dtype: np.dtype, op: Any) -> bool:
     base = op.op if isinstance(op, R) else op
     if dtype in (np.dtype(np.int16), np.dtype(np.uint16)) or base in (R.BAND, R.BOR, R.BXOR):
@@ -130,7 +129,7 @@ def test_all_reduce_cupy(group, dtype):
             continue
         x = cp.asarray(rank_input(RANK, (3, 5), dtype))
         dist.all_reduce(x, op=op, group=group)
-        c.equal(f"all_reduce {op}", x, ref(inputs((3, 5), dtype), op), op)
+        c.equal(f"all_reduce {op}", x, nccl_reference(inputs_of(SIZE, (3, 5), dtype), op), op)
     c.done()
 
 
@@ -184,7 +183,7 @@ def test_data_movement_cupy(group, dtype):
         c.equal(f"uneven all_gather {j}", uneven[j], rank_input(j, (j + 1,), dtype))
     out = cp.asarray(filled((SIZE * 3,), dtype, sentinel(dtype)))
     dist.all_gather_into_tensor(out, cp.asarray(rank_input(RANK, (3,), dtype)), group=group)
-    c.equal("all_gather_into_tensor", out, np.concatenate(inputs((3,), dtype)))
+    c.equal("all_gather_into_tensor", out, np.concatenate(inputs_of(SIZE, (3,), dtype)))
     ins = [cp.asarray(rank_input(RANK, (j + 1,), dtype, salt=j)) for j in range(SIZE)]
     outs = [cp.asarray(filled((RANK + 1,), dtype, sentinel(dtype))) for _ in range(SIZE)]
     dist.all_to_all(outs, ins, group=group)
@@ -218,8 +217,8 @@ def test_reduce_and_reduce_scatter_cupy(group, op):
         x = cp.asarray(rank_input(RANK, (4,), dtype, salt=root))
         dist.reduce(x, dst=root, op=op, group=group)
         if RANK == root:
-            c.equal(f"reduce {root}", x, ref(inputs((4,), dtype, salt=root), op), op)
-    full = ref(inputs((SIZE * 2,), dtype), op)
+            c.equal(f"reduce {root}", x, nccl_reference(inputs_of(SIZE, (4,), dtype, salt=root), op), op)
+    full = nccl_reference(inputs_of(SIZE, (SIZE * 2,), dtype), op)
     out = cp.zeros(2, dtype)
     dist.reduce_scatter_tensor(out, cp.asarray(rank_input(RANK, (SIZE * 2,), dtype)), op=op, group=group)
     c.equal("reduce_scatter_tensor", out, full[RANK * 2 : RANK * 2 + 2], op)
@@ -289,11 +288,11 @@ def test_torch_cuda_tensors_bfloat16_and_premul(group):
                 continue
             t = to_kind(rank_input(RANK, (6,), dtype), "torch").cuda()
             dist.all_reduce(t, op=op, group=group)
-            c.equal(f"torch {dtype} {op}", t, ref(inputs((6,), dtype), op), op)
+            c.equal(f"torch {dtype} {op}", t, nccl_reference(inputs_of(SIZE, (6,), dtype), op), op)
     t = to_kind(rank_input(RANK, (4, 3), BF16), "torch").cuda()
     out = torch.empty((SIZE * 4, 3), dtype=torch.bfloat16, device="cuda")
     dist.all_gather_into_tensor(out, t, group=group)
-    c.equal("all_gather_into_tensor bf16", out, np.concatenate(inputs((4, 3), BF16)))
+    c.equal("all_gather_into_tensor bf16", out, np.concatenate(inputs_of(SIZE, (4, 3), BF16)))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # a tensor produced on a side stream
         u = torch.full((1 << 16,), float(RANK + 1), device="cuda")

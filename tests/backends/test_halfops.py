@@ -24,7 +24,7 @@ from mpidist._world import world
 from mpidist.backends import halfops, mpi_types
 from mpidist.reduce_op import Prim
 
-from helpers import BF16, Checks
+from helpers import BF16, Checks, gloo_group
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -393,31 +393,8 @@ def test_nan_stays_nan_in_sums_and_products():
 def gloo():
     """A gloo process group over the same processes (rank and size from MPI), for this module."""
     torch = pytest.importorskip("torch")
-    tdist = pytest.importorskip("torch.distributed")
-    if not tdist.is_available() or not tdist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    import shutil
-    import tempfile
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    owned = not tdist.is_initialized()
-    tmpdir = comm.bcast(tempfile.mkdtemp(prefix="mpidist-halfops-") if RANK == 0 else None, root=0)
-    timeout = timedelta(seconds=120)
-    if owned:
-        tdist.init_process_group("gloo", init_method=f"file://{tmpdir}/rendezvous", rank=RANK, world_size=SIZE,
-                                 timeout=timeout)  # fmt: skip
-        pg = tdist.group.WORLD
-    else:
-        pg = tdist.new_group(backend="gloo", timeout=timeout)
-    try:
-        yield torch, tdist, pg
-    finally:
-        tdist.destroy_process_group(None if owned else pg)
-        comm.barrier()
-        if RANK == 0:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+    with gloo_group("mpidist-halfops-") as pg:
+        yield torch, torch.distributed, pg
 
 
 def _gloo_all_reduce(gloo: Any, a: np.ndarray, op: Any) -> np.ndarray:

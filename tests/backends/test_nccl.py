@@ -37,9 +37,10 @@ from helpers import (
     Checks,
     assert_equal,
     filled,
+    inputs_of,
     kind,
+    nccl_reference,
     rank_input,
-    reference,
     sentinel,
 )
 from nccl_fake import CURRENT_STREAM, FakeNccl, FakeRuntime, dev
@@ -71,19 +72,6 @@ def make_backend():
         backend.rt.release()
         backend.shutdown()
         comm.Free()
-
-
-def inputs(shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> list[np.ndarray]:
-    """Every rank's input (rank_input), so each rank can build the reference."""
-    return [rank_input(r, shape, dtype, salt) for r in range(SIZE)]
-
-
-def ref(arrays: list[np.ndarray], op: Any) -> np.ndarray:
-    """``helpers.reference``, with complex AVG divided per component (correctly rounded, as NCCL's float pairs)."""
-    if op == R.AVG and arrays[0].dtype.kind == "c":
-        total = reference(arrays, R.SUM).astype(np.complex128)
-        return (total.view(np.float64) / len(arrays)).view(np.complex128).astype(arrays[0].dtype)
-    return reference(arrays, op)
 
 
 def expected_error(dtype: np.dtype, op: Any, version: int) -> tuple[type[BaseException], str] | None:
@@ -259,7 +247,7 @@ def test_all_reduce_every_dtype_and_op(make_backend, dtype, version):
             c.true(f"{op}: nothing sent", len(nccl.log) == calls and backend.seq == seq)
             continue
         backend.all_reduce(dev(x), None, op, False)
-        c.equal(f"all_reduce {op} {dtype}", x, ref(inputs((2, 3), dtype), op))
+        c.equal(f"all_reduce {op} {dtype}", x, nccl_reference(inputs_of(SIZE, (2, 3), dtype), op))
     used = {e[3] for e in nccl.calls("allReduce")}
     if dtype.kind in "iuf" and dtype not in I16 and not (dtype == BF16 and version == OLD):
         c.true(f"ncclAvg used iff NCCL >= 2.10: ops {used}", (4 in used) == (version == NEW))
@@ -299,7 +287,7 @@ def test_reduce_every_root(make_backend, dtype, version):
                 c.raises(err[0], err[1], backend.reduce, dev(x), None, op, root, False)
                 continue
             backend.reduce(dev(x), None, op, root, False)
-            want = ref(inputs((4,), dtype, salt=root), op) if RANK == root else mine
+            want = nccl_reference(inputs_of(SIZE, (4,), dtype, salt=root), op) if RANK == root else mine
             c.equal(f"reduce root={root} {op}", x, want)  # a non-root's input is never scaled
     c.done()
 
@@ -317,7 +305,7 @@ def test_reduce_scatter_tensor(make_backend, dtype, version):
         if err:
             c.raises(err[0], err[1], backend.reduce_scatter_tensor, dev(out), None, dev(inp), op, False)
             continue
-        full = ref(inputs((SIZE * 3,), dtype), op)
+        full = nccl_reference(inputs_of(SIZE, (SIZE * 3,), dtype), op)
         backend.reduce_scatter_tensor(dev(out), None, dev(inp), op, False)
         c.equal(f"reduce_scatter_tensor {op}", out, full[RANK * 3 : RANK * 3 + 3])
         c.equal(f"{op}: input untouched", inp, before)
@@ -354,7 +342,7 @@ def test_reduce_scatter_list(make_backend, layout, dtype):
             ins = [flat[offsets[j] : offsets[j + 1]] for j in range(SIZE)]
         out = filled((sizes[RANK],), dtype, sentinel(dtype))
         backend.reduce_scatter(dev(out), None, [dev(a) for a in ins], op, False)
-        full = ref(inputs((offsets[-1],), dtype), op)
+        full = nccl_reference(inputs_of(SIZE, (offsets[-1],), dtype), op)
         c.equal(f"{layout} {op}", out, full[offsets[RANK] : offsets[RANK + 1]])
     grouped = [e for e in nccl.log if e[0] in ("reduce", "reduceScatter")]
     c.true(
@@ -369,11 +357,11 @@ def test_complex_reduces_as_float_pairs_and_bool_as_uint8(make_backend):
     c = Checks()
     z = rank_input(RANK, (3,), np.dtype(np.complex64))
     backend.all_reduce(dev(z), None, R.SUM, False)
-    c.equal("complex", z, ref(inputs((3,), np.dtype(np.complex64)), R.SUM))
+    c.equal("complex", z, nccl_reference(inputs_of(SIZE, (3,), np.dtype(np.complex64)), R.SUM))
     c.equal("as 6 float32", nccl.calls("allReduce")[-1][1:4], (7, 6, 0))
     b = rank_input(RANK, (4,), np.dtype(np.bool_))
     backend.all_reduce(dev(b), None, R.PRODUCT, False)
-    c.equal("bool and", b, ref(inputs((4,), np.dtype(np.bool_)), R.PRODUCT))
+    c.equal("bool and", b, nccl_reference(inputs_of(SIZE, (4,), np.dtype(np.bool_)), R.PRODUCT))
     c.equal("uint8 min", nccl.calls("allReduce")[-1][1:4], (1, 4, 3))
     c.done()
 
@@ -417,7 +405,7 @@ def test_broadcast_every_dtype_and_root(make_backend, dtype, version):
 def test_all_gather_into_tensor(make_backend, dtype):
     backend, _, _ = make_backend()
     c = Checks()
-    want = np.concatenate(inputs((3,), dtype))
+    want = np.concatenate(inputs_of(SIZE, (3,), dtype))
     inp = rank_input(RANK, (3,), dtype)
     out = filled((SIZE * 3,), dtype, sentinel(dtype))
     backend.all_gather_into_tensor(dev(out), None, dev(inp), False)

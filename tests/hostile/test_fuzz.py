@@ -27,20 +27,13 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
-from helpers import Checks
+from helpers import Checks, sum_ok
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 K = 3  # elements per rank in the correct calls
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _sum_ok(c: Checks, g) -> None:
-    """An all_reduce of [r+1, 10 r] on ``g`` gives the exact sums."""
-    x = np.array([RANK + 1.0, 10.0 * RANK])
-    dist.all_reduce(x, group=g)
-    c.equal("all_reduce afterwards", x, np.array([SIZE * (SIZE + 1) / 2, 10.0 * SIZE * (SIZE - 1) / 2]))
 
 
 # -- the wrong values, by what the parameter expects ----------------------------------------------------
@@ -384,5 +377,5 @@ def test_wrong_arguments_are_refused_naming_the_function_and_the_group_stays_usa
             case.run(fn, fresh, case.good(fresh))
         except Exception as exc:  # noqa: BLE001
             c.failures.append(f"the correct {name} afterwards raised {type(exc).__name__}: {exc}")
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()

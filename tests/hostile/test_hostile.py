@@ -23,19 +23,12 @@ import mpidist as dist
 from mpidist import DistBackendError
 from mpidist.testing import backend_of, calls_issued
 
-from helpers import REPO, Checks, check_raises, clean_env, mpiexec_command
+from helpers import REPO, Checks, check_raises, clean_env, mpiexec_command, sum_ok
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _sum_ok(c: Checks, g) -> None:
-    """An all_reduce of [r+1, 10 r] on ``g`` gives the exact sums (the issue's [3, 14] at n = 2)."""
-    x = np.array([RANK + 1.0, 10.0 * RANK])
-    dist.all_reduce(x, group=g)
-    c.equal("all_reduce afterwards", x, np.array([SIZE * (SIZE + 1) / 2, 10.0 * SIZE * (SIZE - 1) / 2]))
 
 
 # -- finding 1: a check that fails on the root only, at debug level DETAIL -------------------------
@@ -50,7 +43,7 @@ def test_detail_gather_object_with_a_wrong_list_on_the_root_leaves_nothing_for_t
     slots = [None] * (SIZE + 1) if RANK == 0 else None
     c.raises(ValueError, f"has {SIZE + 1} slots", dist.gather_object, {"secret": "from-failed-gather"}, slots,
              dst=0, group=fresh)  # fmt: skip
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     out: list = [None] * SIZE
     dist.all_gather_object(out, ("after", RANK), group=fresh)
     c.equal("all_gather_object afterwards", out, [("after", r) for r in range(SIZE)])
@@ -80,7 +73,7 @@ def test_broadcast_object_list_of_other_lengths_raises_at_once_and_leaves_the_gr
     after = ["ok", RANK] if RANK == 0 else [None, None]
     dist.broadcast_object_list(after, src=0, group=fresh)
     c.equal("broadcast_object_list afterwards", after, ["ok", 0])
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -151,7 +144,7 @@ def test_barrier_with_a_bad_timeout_names_barrier_and_posts_nothing(fresh, bad, 
     c.raises(kind, "^barrier: timeout " + re.escape(text), dist.barrier, group=fresh, async_op=async_op, timeout=bad)
     c.equal("calls issued by the refused barrier", calls_issued(fresh) - before, 0)
     dist.barrier(group=fresh, timeout=30)
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -190,7 +183,7 @@ def test_a_receive_from_this_rank_itself_raises_at_once_and_posts_nothing(fresh,
     problems = check_raises(ValueError, f"^{fn}: .*this process itself", getattr(dist, fn), arg, src=RANK, group=fresh)
     c.failures += problems
     c.true("a receive is left pending", not fresh.control.pending() and not backend_of(fresh).pending())
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -243,7 +236,7 @@ def test_async_op_that_is_not_a_bool_is_refused_before_anything_is_posted(fresh,
     w = getattr(dist, fn)(group=fresh, async_op=1, **_calls()[fn])
     c.true("async_op=1 gives a Work", w is not None and w.wait())
     c.true("async_op=0 waits and returns None", getattr(dist, fn)(group=fresh, async_op=0, **_calls()[fn]) is None)
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -254,7 +247,7 @@ def test_a_root_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
     arg, first = ("dst", np.zeros(2)) if fn == "reduce" else ("src", [1] if fn.endswith("list") else np.zeros(2))
     c.raises(TypeError, f"^{fn}: {arg} must be an int rank, got ndarray$", getattr(dist, fn), first,
              group=fresh, **{arg: np.zeros(3, dtype=object)})  # fmt: skip
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -265,7 +258,7 @@ def test_a_tag_that_is_an_array_is_a_type_error_naming_the_function(fresh, fn):
     peer = {"dst": (RANK + 1) % SIZE} if fn.endswith("send") else {"src": (RANK - 1) % SIZE}
     c.raises(TypeError, f"^{fn}: tag must be an int, got ndarray$", getattr(dist, fn), np.zeros(2), group=fresh,
              tag=np.zeros(3, dtype=object), **peer)  # fmt: skip
-    _sum_ok(c, fresh)
+    sum_ok(c, fresh)
     c.done()
 
 
@@ -359,6 +352,6 @@ def test_a_message_nobody_received_never_reaches_a_later_group(how):
         x = np.zeros(2)
         dist.recv(x, src=0, group=b)
         c.equal("the message received on the new group", x.tolist(), [7.0, 7.0])
-    _sum_ok(c, b)
+    sum_ok(c, b)
     dist.destroy_process_group(b)
     c.done()

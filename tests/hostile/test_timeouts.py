@@ -23,7 +23,7 @@ import mpidist as dist
 from mpidist import DistBackendError, Work
 from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
-from helpers import assert_equal, fail_together
+from helpers import assert_equal, fail_together, timeout_head
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -43,14 +43,6 @@ CANCELLED = r"The receive was cancelled: the next message goes to the next recei
 USABLE = r"The group is still usable\.$"
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def head(op: str, seq: int, g: dist.ProcessGroup, timeout: str = "1") -> str:
-    """The start of the timeout message of ``op`` (call ``seq``) on ``g``, on this rank."""
-    return (
-        rf"^{op} \(call #{seq}\) on group {re.escape(g.group_name)} \(mpi, rank {g.rank()} of {g.size()}\) "
-        rf"did not complete within the timeout of {timeout} s\."
-    )
 
 
 def expect_timeout(fn, patterns: list[str], bound: float, what: str) -> tuple[list[str], DistBackendError | None]:
@@ -122,7 +114,7 @@ def test_missing_rank_times_out_with_diagnosis(op):
     else:
         problems, _ = expect_timeout(
             lambda: _run(op, g),
-            [head(name, 1, g), rf"Rank {MISSING}: {NO_ANSWER}", UNUSABLE],
+            [timeout_head(name, 1, g), rf"Rank {MISSING}: {NO_ANSWER}", UNUSABLE],
             T + SLACK,
             op,
         )
@@ -142,7 +134,7 @@ def test_ranks_that_time_out_together_report_each_other_as_waiting():
         time.sleep(ABSENT_S)
     else:
         others = [r for r in range(SIZE) if r not in (RANK, MISSING)]
-        patterns = [head("all_reduce", 1, g), rf"Rank {MISSING}: {NO_ANSWER}"]
+        patterns = [timeout_head("all_reduce", 1, g), rf"Rank {MISSING}: {NO_ANSWER}"]
         patterns += [
             rf"Rank {r}: waiting in all_reduce \(call #1\) on group {re.escape(g.group_name)}\." for r in others
         ]
@@ -165,7 +157,7 @@ def test_rank_waiting_in_another_collective_is_named():
         problems, _ = expect_timeout(
             lambda: dist.broadcast(np.zeros(3), src=MISSING, group=g),
             [
-                head("broadcast", 1, g),
+                timeout_head("broadcast", 1, g),
                 rf"Rank {MISSING}: waiting in barrier \(call #{k}\) on group {re.escape(world.group_name)}\.",
             ],
             T + SLACK,
@@ -187,7 +179,7 @@ def test_world_and_new_groups_work_after_a_timeout():
         time.sleep(ABSENT_S)
     else:
         problems, _ = expect_timeout(
-            lambda: dist.all_reduce(np.ones(2), group=g), [head("all_reduce", 1, g)], T + SLACK, "all_reduce"
+            lambda: dist.all_reduce(np.ones(2), group=g), [timeout_head("all_reduce", 1, g)], T + SLACK, "all_reduce"
         )
     dist.barrier()
     dist.destroy_process_group(g)
@@ -244,7 +236,7 @@ def test_sequence_number_counts_collectives_not_p2p():
     else:
         p, _ = expect_timeout(
             lambda: dist.all_reduce(np.ones(2), group=g),
-            [head("all_reduce", collectives + 1, g), rf"Rank {MISSING}: {NO_ANSWER}"],
+            [timeout_head("all_reduce", collectives + 1, g), rf"Rank {MISSING}: {NO_ANSWER}"],
             T + SLACK,
             "all_reduce",
         )
@@ -283,7 +275,7 @@ def test_recv_without_send_times_out():
         p, _ = expect_timeout(
             lambda: dist.recv(np.empty(2), src=1, group=g, tag=7),
             [
-                head("recv", 3, g),
+                timeout_head("recv", 3, g),
                 rf"Rank 1: waiting in barrier \(call #{k}\) on group {re.escape(world.group_name)}\.",
                 NOTHING_POSTED + USABLE,
             ],
@@ -318,7 +310,7 @@ def test_irecv_that_timed_out_is_cancelled_and_the_next_receive_gets_the_message
         w = dist.irecv(first, src=0, group=g, tag=3)
         p, exc = expect_timeout(
             lambda: w.wait(timeout=0.5),
-            [head("recv", 1, g, "0.5") + r" Rank 0: waiting in barrier .*\. " + CANCELLED + USABLE],
+            [timeout_head("recv", 1, g, "0.5") + r" Rank 0: waiting in barrier .*\. " + CANCELLED + USABLE],
             0.5 + SLACK,
             "irecv",
         )
@@ -348,14 +340,14 @@ def test_irecv_and_isend_work_wait_time_out():
     MPI.COMM_WORLD.Barrier()
     if RANK == 0:
         w = dist.irecv(np.empty(4), src=1, group=g, tag=3)
-        p, exc = expect_timeout(lambda: w.wait(timeout=0.5), [head("recv", 1, g, "0.5")], 0.5 + SLACK, "irecv")
+        p, exc = expect_timeout(lambda: w.wait(timeout=0.5), [timeout_head("recv", 1, g, "0.5")], 0.5 + SLACK, "irecv")
         problems += p
         if exc is not None and (w.exception() is not exc or not w.is_completed() or w.is_success()):
             problems.append("the failed irecv's Work does not report its error")
         # 32 MiB: far above any eager limit, so the send cannot complete without a receiver
         s = dist.isend(np.ones(4 << 20), dst=1, group=g, tag=4)
         p, _ = expect_timeout(
-            lambda: s.wait(timeout=timedelta(seconds=0.5)), [head("send", 2, g, "0.5")], 0.5 + SLACK, "isend"
+            lambda: s.wait(timeout=timedelta(seconds=0.5)), [timeout_head("send", 2, g, "0.5")], 0.5 + SLACK, "isend"
         )
         problems += p
     dist.barrier()
@@ -369,7 +361,7 @@ def test_irecv_from_self_work_wait_times_out():
     buf = np.zeros(2)
     w = dist.irecv(buf, src=RANK, group=g, tag=9)
     problems, exc = expect_timeout(
-        lambda: w.wait(timeout=0.3), [head("recv", 1, g, "0.3"), CANCELLED + USABLE], 0.3 + SLACK, "irecv"
+        lambda: w.wait(timeout=0.3), [timeout_head("recv", 1, g, "0.3"), CANCELLED + USABLE], 0.3 + SLACK, "irecv"
     )
     if exc is not None:
         again, _ = expect_timeout(w.wait, [re.escape(str(exc))], 1.0, "second wait")
@@ -409,7 +401,7 @@ def test_async_collective_wait_times_out(how):
             fut = w.get_future().then(lambda f: f.value())
             fn = fut.wait
         problems, exc = expect_timeout(
-            fn, [head("all_reduce", 1, g, shown), rf"Rank {MISSING}: {NO_ANSWER}"], limit + SLACK, how
+            fn, [timeout_head("all_reduce", 1, g, shown), rf"Rank {MISSING}: {NO_ANSWER}"], limit + SLACK, how
         )
         if exc is not None and w.exception() is None:
             problems.append("Work.exception() is None after the timeout")
@@ -441,7 +433,7 @@ def test_subgroup_message_uses_group_ranks_and_names_global_ranks():
         time.sleep(ABSENT_S)
     else:
         me = members.index(RANK)
-        patterns = [head("all_reduce", 1, g), rf"Rank 1 \(global rank 2\): {NO_ANSWER}"]
+        patterns = [timeout_head("all_reduce", 1, g), rf"Rank 1 \(global rank 2\): {NO_ANSWER}"]
         for gr, gl in enumerate(members):
             if gl in (2, RANK):
                 continue
@@ -470,7 +462,7 @@ def test_group_timeout_bounds_the_call_not_the_world_timeout():
         time.sleep(1.5)
     else:
         problems, _ = expect_timeout(
-            lambda: dist.barrier(group=g), [head("barrier", 1, g, "0.5")], 0.5 + SLACK, "barrier"
+            lambda: dist.barrier(group=g), [timeout_head("barrier", 1, g, "0.5")], 0.5 + SLACK, "barrier"
         )
     dist.barrier()
     fail_together(problems)

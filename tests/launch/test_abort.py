@@ -41,7 +41,8 @@ OTHER_VARS = (
     "MPIDIST_DEBUG",
 )
 
-pytestmark = pytest.mark.timeout(240)
+# children and jobs of its own, started from rank 0 while the others waited: once, in the world of one rank
+pytestmark = [pytest.mark.timeout(240), pytest.mark.one_rank]
 
 
 def on_rank_0(test):

@@ -33,7 +33,7 @@ PROGRAM = REPO / "examples" / "torch_program.py"
 BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.timeout(180)
-only_once = pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+only_once = pytest.mark.one_rank  # starts its own processes, or parses: once, in the world of one rank
 
 
 # -- the environment under an MPI launcher ------------------------------------------------------
@@ -82,6 +82,7 @@ STEP = {
 }  # fmt: skip
 
 
+@only_once
 @pytest.mark.parametrize(
     "environ,expected",
     [
@@ -120,6 +121,7 @@ def test_launcher_environment_reads_each_launchers_variables(environ, expected):
 # -- mpidistrun's command line -------------------------------------------------------------------
 
 
+@only_once
 def test_mpidistrun_builds_each_launchers_command():
     py = sys.executable
     cmd, env = run.build_command(["--nproc-per-node", "3", "train.py", "--lr", "1"], ["mpiexec"], "mpich")
@@ -134,6 +136,7 @@ def test_mpidistrun_builds_each_launchers_command():
     assert env == {"MASTER_PORT": "1234"}
 
 
+@only_once
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -235,7 +238,7 @@ def test_torch_multiprocessing_spawn_with_master_address(tmp_path):
     assert got == [{"rank": r, "sum": [3.0, 3.0], "backend": "gloo"} for r in (0, 1)], got
 
 
-@pytest.mark.skipif(SIZE > 1, reason="starts its own process; runs in the world of one rank")
+@only_once
 def test_python_m_mpidist_script_imports_the_modules_beside_it(tmp_path):
     """``python -m mpidist folder/script.py`` puts the script's folder first on sys.path, as ``python
     folder/script.py`` and torchrun do (a helper module beside a training script was not found)."""

@@ -23,10 +23,10 @@ from mpidist.launch import pmi, rendezvous
 
 from helpers import clean_env, free_port, needs_pmi1, run_plain_world
 
-pytestmark = pytest.mark.timeout(180)
+# processes of its own, or parsing: once, in the world of one rank
+pytestmark = [pytest.mark.timeout(180), pytest.mark.one_rank]
 
 SIZE = MPI.COMM_WORLD.Get_size()  # the suite runs under mpiexec: MPI is initialized
-only_once = pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
 
 CHILD = textwrap.dedent(
     """
@@ -74,7 +74,6 @@ def _check(results: list[dict], n: int) -> None:
         assert got["store"] == n * (n + 1) // 2
 
 
-@only_once
 @needs_pmi1
 def test_env_init_forms_a_world_without_mpiexec(tmp_path):
     n, port = 3, free_port()
@@ -85,7 +84,6 @@ def test_env_init_forms_a_world_without_mpiexec(tmp_path):
     _check(_run_world(n, env_for, lambda r: [""], tmp_path), n)
 
 
-@only_once
 @needs_pmi1
 def test_file_init_forms_a_world_without_mpiexec(tmp_path):
     n = 2
@@ -95,7 +93,6 @@ def test_file_init_forms_a_world_without_mpiexec(tmp_path):
     _check(_run_world(n, lambda r: clean_env(), lambda r: [f"{url}&rank={r}"], tmp_path), n)
 
 
-@only_once
 @pytest.mark.skipif(rendezvous.speaks_pmi1(), reason="this MPI library speaks PMI-1: such worlds form (tested above)")
 def test_a_library_without_pmi1_refuses_plain_processes_clearly(tmp_path):
     """Open MPI: plain processes with env:// cannot form a world; each says so and how to start the job."""
@@ -115,7 +112,6 @@ def test_a_library_without_pmi1_refuses_plain_processes_clearly(tmp_path):
         assert "this process was not started by an MPI launcher" in err and "mpiexec -n N" in err, err[-2000:]
 
 
-@only_once
 def test_missing_rank_without_a_launcher_is_a_clear_error(tmp_path):
     code = "import mpidist as dist\ndist.init_process_group()\n"
     env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -125,7 +121,6 @@ def test_missing_rank_without_a_launcher_is_a_clear_error(tmp_path):
     assert "mpiexec -n N" in p.stderr
 
 
-@only_once
 def test_mpi_initialized_too_early_is_a_clear_error(tmp_path):
     code = "from mpi4py import MPI\nimport mpidist as dist\ndist.init_process_group(rank=0, world_size=2)\n"
     p = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
@@ -151,6 +146,7 @@ def _pmi_client(address: str) -> tuple[Any, Any]:
     return conn, conn.makefile("rwb", buffering=0)
 
 
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 def test_pmi_barrier_is_released_when_a_process_leaves_without_finalizing():
     """Rank 1 dies (no finalize) while rank 0 waits in a PMI barrier (MPI_Finalize has one): rank 0 gets an error
     instead of waiting forever, and the server sees every process gone (it used to stay up for good)."""
@@ -178,7 +174,7 @@ def test_pmi_barrier_is_released_when_a_process_leaves_without_finalizing():
     assert not problems, problems
 
 
-@only_once
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 def test_rank0_starts_mpi_only_once_every_other_rank_reached_the_pmi_server():
     """Rank 0 enters MPI_Init (which holds the interpreter lock, so its store stops answering) only once every
     other rank has introduced itself to the PMI server: wait_others_connected returns the ranks still missing,
@@ -208,7 +204,7 @@ def test_rank0_starts_mpi_only_once_every_other_rank_reached_the_pmi_server():
     assert not problems, problems
 
 
-@only_once
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 def test_pmi_server_leaves_when_rank0_is_gone():
     """The server is bounded by its job: started by a process that then dies (rank 0), with a client that
     never finalizes, it exits on its own (it used to wait for every client forever)."""
@@ -248,6 +244,7 @@ def _state(pid: str) -> str:
         return "zombie"
 
 
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 @pytest.mark.parametrize(
     "hosts, expected",
     [
@@ -261,6 +258,7 @@ def test_process_mapping(hosts, expected):
     assert pmi.process_mapping(hosts) == expected
 
 
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 @pytest.mark.parametrize(
     "url, rank, size, expected",
     [
@@ -275,6 +273,7 @@ def test_plan_from_url(url, rank, size, expected):
     assert (plan.scheme, plan.rank, plan.world_size, plan.host, plan.port, plan.path) == expected
 
 
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 def test_plan_from_env(monkeypatch):
     for var, value in (("RANK", "3"), ("WORLD_SIZE", "8"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "1234")):
         monkeypatch.setenv(var, value)
@@ -285,13 +284,13 @@ def test_plan_from_env(monkeypatch):
     )  # arguments win over the environment
 
 
+@pytest.mark.one_library  # mpidist's own PMI server or parsing: no MPI library involved
 def test_master_port_that_is_not_a_number(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "http")
     with pytest.raises(ValueError, match=r"^f: environment variable MASTER_PORT='http' is not a port number$"):
         rendezvous.plan_from(None, None, [], "f")
 
 
-@only_once
 @pytest.mark.parametrize(
     "launcher",
     [
@@ -324,7 +323,6 @@ def test_import_mpidist_leaves_mpi_uninitialized_and_imports_no_torch(launcher):
     assert json.loads(p.stdout) == expected
 
 
-@only_once
 @pytest.mark.parametrize("url", ["file://{tmp}/rdv", "tcp://127.0.0.1:1"])
 def test_tcp_or_file_without_world_size_and_no_launcher_is_refused(url, tmp_path):
     """RANK/WORLD_SIZE in the environment are not read with file:// or tcp:// (as in torch): without them in

@@ -9,6 +9,9 @@ import pytest
 
 from mpidist.launch.slurm import PORT_BASE, PORT_SPAN, expand_counts, expand_hostlist, slurm_step
 
+# Slurm's variables parsed, no MPI: in the world of one rank, under one MPI library
+pytestmark = [pytest.mark.one_rank, pytest.mark.one_library]
+
 
 @pytest.mark.parametrize(
     "text,names",

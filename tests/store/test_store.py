@@ -39,7 +39,10 @@ T = 0.3
 #: a timeout must be reported within T plus this
 SLACK = 3.0
 
-pytestmark = pytest.mark.timeout(60)
+# the stores are self-contained (no MPI; the ranks only meet through them): under one MPI library; the tests
+# on stores of this rank's own (local_store, local_dir, servers of the test's own) are one_rank too
+pytestmark = [pytest.mark.timeout(60), pytest.mark.one_library]
+local = pytest.mark.one_rank
 
 
 def attempt(problems: list[str], what: str, fn, *args, **kwargs):
@@ -160,6 +163,7 @@ def tcp_world():
 # ---------------------------------------------------------------------------------------------
 
 
+@local
 def test_store_modules_do_not_import_mpi4py():
     """Stores must work before and without MPI: no store module imports mpi4py."""
     offenders = []
@@ -174,6 +178,7 @@ def test_store_modules_do_not_import_mpi4py():
     assert not offenders, offenders
 
 
+@local
 def test_public_names():
     for name in ("Store", "HashStore", "FileStore", "TCPStore", "PrefixStore"):
         assert getattr(mpidist, name) is getattr(mpidist.store, name)
@@ -186,6 +191,7 @@ def test_public_names():
 # ---------------------------------------------------------------------------------------------
 
 
+@local
 def test_set_get_returns_bytes(local_store):
     store, _ = local_store
     store.set("str", "first_value")
@@ -208,6 +214,7 @@ def test_set_get_returns_bytes(local_store):
     assert store.get("str") == b"overwritten"
 
 
+@local
 def test_add_is_a_decimal_counter(local_store):
     store, _ = local_store
     assert store.add("first_key", 1) == 1
@@ -225,6 +232,7 @@ def test_add_is_a_decimal_counter(local_store):
     assert store.get("text") == b"not a number"
 
 
+@local
 def test_compare_set_semantics(local_store):
     store, _ = local_store
     # missing key, empty expected: set
@@ -243,6 +251,7 @@ def test_compare_set_semantics(local_store):
     assert store.get("k") == b"4"
 
 
+@local
 def test_num_keys_check_delete(local_store):
     store, extra = local_store
     assert store.num_keys() == extra
@@ -264,6 +273,7 @@ def test_num_keys_check_delete(local_store):
         assert store.num_keys() == 1 + extra
 
 
+@local
 def test_append_multi_get_multi_set(local_store):
     store, _ = local_store
     store.append("log", "a")
@@ -275,6 +285,7 @@ def test_append_multi_get_multi_set(local_store):
     assert store.multi_get([]) == []
 
 
+@local
 def test_get_and_wait_time_out(local_store):
     store, _ = local_store
     store.set_timeout(timedelta(seconds=T))
@@ -302,6 +313,7 @@ def test_get_and_wait_time_out(local_store):
     store.wait(["present"], timedelta(seconds=T))  # present: returns at once
 
 
+@local
 def test_timeout_arguments(local_store):
     store, _ = local_store
     name = type(store).__name__
@@ -321,6 +333,7 @@ def test_timeout_arguments(local_store):
     assert store.timeout == timedelta(minutes=2)
 
 
+@local
 def test_bad_arguments(local_store):
     store, _ = local_store
     n = type(store).__name__
@@ -348,6 +361,7 @@ def test_bad_arguments(local_store):
     assert store.num_keys() == (0 if isinstance(innermost(store), HashStore) else 1)  # nothing was added
 
 
+@local
 def test_numpy_integer_amount(local_store):
     np = pytest.importorskip("numpy")
     store, _ = local_store
@@ -355,6 +369,7 @@ def test_numpy_integer_amount(local_store):
     assert store.get("n") == b"5"
 
 
+@local
 def test_closed_stores_raise(local_dir):
     for store in (FileStore(os.path.join(local_dir, "closed"), 1), TCPStore("127.0.0.1", 0, 1, True, 30)):
         store.set("k", "v")
@@ -372,6 +387,7 @@ def test_closed_stores_raise(local_dir):
 # ---------------------------------------------------------------------------------------------
 
 
+@local
 def test_hash_store_threads():
     store = HashStore(timeout=timedelta(seconds=30))
     results: dict[str, object] = {}
@@ -402,6 +418,7 @@ def test_hash_store_threads():
     assert store.get("count") == str(200 * sum(range(1, 9))).encode()
 
 
+@local
 def test_hash_store_is_per_instance():
     a, b = HashStore(), HashStore()
     a.set("k", "v")
@@ -479,6 +496,7 @@ def test_file_store_get_blocks_until_another_rank_sets(shared_dir):
     fail_together(problems)
 
 
+@local
 def test_file_store_removed_by_its_last_user(local_dir):
     path = os.path.join(local_dir, "two-users")
     first, second = FileStore(path, 2), FileStore(path, 2)
@@ -496,6 +514,7 @@ def test_file_store_removed_by_its_last_user(local_dir):
     assert not os.path.exists(path)
 
 
+@local
 def test_file_store_garbage_collected(local_dir):
     path = os.path.join(local_dir, "gc")
     store = FileStore(path, 1)
@@ -506,6 +525,7 @@ def test_file_store_garbage_collected(local_dir):
     assert not os.path.exists(path)
 
 
+@local
 def test_file_store_non_fixed_world_keeps_the_file(local_dir):
     path = os.path.join(local_dir, "kept")
     with FileStore(path) as store:
@@ -516,6 +536,7 @@ def test_file_store_non_fixed_world_keeps_the_file(local_dir):
         assert again.get("k") == b"v"
 
 
+@local
 def test_file_store_threads(local_dir):
     store = FileStore(os.path.join(local_dir, "threads"), 1, timeout=30)
     other = FileStore(store.path, 1, timeout=30)  # a second user in this process
@@ -535,6 +556,7 @@ def test_file_store_threads(local_dir):
     store.close()
 
 
+@local
 def test_file_store_refuses_other_files_and_bad_arguments(local_dir):
     other = os.path.join(local_dir, "not-a-store")
     Path(other).write_bytes(b"some other data\n")
@@ -684,6 +706,7 @@ def reserved_port() -> socket.socket:
     return sock
 
 
+@local
 def test_tcp_client_retries_until_the_server_starts():
     reserved = reserved_port()
     port = reserved.getsockname()[1]
@@ -704,6 +727,7 @@ def test_tcp_client_retries_until_the_server_starts():
     master.close()
 
 
+@local
 def test_tcp_store_threads_do_not_wait_for_each_other():
     store = TCPStore("127.0.0.1", 0, 1, True, 30)
     got: list[bytes] = []
@@ -718,6 +742,7 @@ def test_tcp_store_threads_do_not_wait_for_each_other():
     store.close()
 
 
+@local
 def test_tcp_client_times_out_without_a_server():
     reserved = reserved_port()
     port = reserved.getsockname()[1]
@@ -733,6 +758,7 @@ def test_tcp_client_times_out_without_a_server():
     reserved.close()
 
 
+@local
 def test_tcp_master_waits_for_workers_then_times_out():
     start = time.monotonic()
     with pytest.raises(DistStoreError, match=r"^TCPStore: only 1 of world_size=3 stores .* joined within"):
@@ -744,6 +770,7 @@ def test_tcp_master_waits_for_workers_then_times_out():
     store.close()
 
 
+@local
 def test_tcp_server_binds_loopback_only():
     store = TCPStore("127.0.0.1", 0, 1, True, 30)
     port = store.port
@@ -776,6 +803,7 @@ def test_tcp_server_binds_loopback_only():
     store.close()
 
 
+@local
 def test_tcp_server_resolves_host_names():
     store = TCPStore("localhost", 0, 1, True, 30)
     address = store.server_address
@@ -787,6 +815,7 @@ def test_tcp_server_resolves_host_names():
     store.close()
 
 
+@local
 def test_tcp_port_in_use():
     store = TCPStore("127.0.0.1", 0, 1, True, 30)
     with pytest.raises(DistNetworkError, match=rf"^TCPStore: cannot listen on 127\.0\.0\.1:{store.port}"):
@@ -799,6 +828,7 @@ def server_threads(port: int) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"mpidist-tcpstore-server-{port}"]
 
 
+@local
 def test_tcp_multi_tenant_shares_one_server():
     first = TCPStore("127.0.0.1", 0, None, True, 30, multi_tenant=True)
     port = first.port
@@ -817,6 +847,7 @@ def test_tcp_multi_tenant_shares_one_server():
         TCPStore("127.0.0.1", port, timeout=T)
 
 
+@local
 def test_tcp_server_stops_when_the_master_goes():
     store = TCPStore("127.0.0.1", 0, 1, True, 30)
     port = store.port
@@ -834,6 +865,7 @@ def test_tcp_server_stops_when_the_master_goes():
     client.close()
 
 
+@local
 def test_tcp_server_ignores_strangers():
     store = TCPStore("127.0.0.1", 0, 1, True, 30)
     stranger = socket.create_connection(("127.0.0.1", store.port), timeout=5)
@@ -849,6 +881,7 @@ def test_tcp_server_ignores_strangers():
     store.close()
 
 
+@local
 def test_tcp_constructor_arguments():
     problems = check_raises(TypeError, r"^TCPStore: host_name must be a str, got int$", TCPStore, 127, 0)
     problems += check_raises(ValueError, r"^TCPStore: host_name must not be empty", TCPStore, "", 0, is_master=True)
@@ -868,6 +901,7 @@ def test_tcp_constructor_arguments():
     assert not problems, problems
 
 
+@local
 def test_tcp_store_server_survives_a_wait_of_a_year():
     """A client's wait with a far deadline (torch passes a year for "no timeout") must not break the server.
 
@@ -898,6 +932,7 @@ def test_tcp_store_server_survives_a_wait_of_a_year():
     master.close()
 
 
+@local
 def test_tcp_store_default_timeout_and_repr():
     store = TCPStore("127.0.0.1", 0, 1, True)
     assert store.timeout == timedelta(seconds=300)
@@ -905,6 +940,7 @@ def test_tcp_store_default_timeout_and_repr():
     store.close()
 
 
+@local
 def test_prefix_store_arguments_and_timeout():
     base = HashStore(timeout=7)
     store = PrefixStore("p", base)

@@ -36,7 +36,8 @@ from mpi4py import MPI
 from mpidist import DistStoreError
 from mpidist.store import FileStore, HashStore, TCPStore
 
-pytestmark = pytest.mark.timeout(30)
+# each rank's own directory, no MPI: in the world of one rank, under one MPI library
+pytestmark = [pytest.mark.timeout(30), pytest.mark.one_rank, pytest.mark.one_library]
 
 RANK = MPI.COMM_WORLD.Get_rank()
 

@@ -30,7 +30,8 @@ from mpidist.store import TCPStore
 from mpidist.store._protocol import Cmd
 from mpidist.store._tcp_server import StoreServer, _Conn, listen
 
-pytestmark = pytest.mark.timeout(30)
+# each rank's own servers and peers, no MPI: in the world of one rank, under one MPI library
+pytestmark = [pytest.mark.timeout(30), pytest.mark.one_rank, pytest.mark.one_library]
 
 #: an error that must come at once (not after a store timeout) comes within this many seconds
 PROMPT = 1.0

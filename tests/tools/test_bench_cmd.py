@@ -22,7 +22,7 @@ from mpidist.bench.__main__ import auto_iters, main, parse_size, sweep
 from mpidist.bench.cases import CASES
 from mpidist.bench.timing import COLUMNS
 
-from helpers import Checks, clean_env
+from helpers import clean_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -73,11 +73,6 @@ def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def data_lines(table: str) -> list[list[str]]:
     return [line.split() for line in table.splitlines() if line.strip() and not line.startswith("#")]
-
-
-@pytest.fixture
-def checks() -> Checks:
-    return Checks()
 
 
 def test_every_collective_table_json_and_check(tmp_path, capsys, checks):
@@ -339,7 +334,7 @@ def test_sizes_and_iterations():
     assert auto_iters(8, 2) == 500 and auto_iters(1 << 20, 64) == 1  # messages, not iterations, are counted
 
 
-only_once = pytest.mark.skipif(SIZE > 1, reason="starts its own process; runs in the world of one rank")
+only_once = pytest.mark.one_rank  # starts its own process
 
 
 @only_once

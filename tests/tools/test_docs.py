@@ -14,7 +14,8 @@ from helpers import REPO
 ROOT = REPO
 PACKAGE = ROOT / "mpidist"
 
-pytestmark = pytest.mark.timeout(30)
+# files read, no MPI: in the world of one rank, under one MPI library
+pytestmark = [pytest.mark.timeout(30), pytest.mark.one_rank, pytest.mark.one_library]
 
 
 def _nav_pages() -> list[str]:

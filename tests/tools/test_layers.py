@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mpidist"
 
-pytestmark = pytest.mark.timeout(60)
+# the package's source read, no MPI: in the world of one rank, under one MPI library
+pytestmark = [pytest.mark.timeout(60), pytest.mark.one_rank, pytest.mark.one_library]
 
 #: (importer, imported): imports against the table that are there on purpose, with the reason
 ALLOWED: dict[tuple[str, str], str] = {}

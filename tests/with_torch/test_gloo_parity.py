@@ -9,8 +9,6 @@ the comparison is skipped rather than failed.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import warnings
 from datetime import timedelta
 
@@ -20,7 +18,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 
-from helpers import rank_input
+from helpers import gloo_group, rank_input
 
 torch = pytest.importorskip("torch")
 tdist = pytest.importorskip("torch.distributed")
@@ -35,28 +33,9 @@ GLOO_TIMEOUT = timedelta(seconds=120)
 @pytest.fixture(scope="module")
 def gloo():
     """A gloo process group over the same processes (rank and size from MPI), for this module."""
-    if not tdist.is_available() or not tdist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    torch.set_num_threads(1)  # the ranks share few cores
-    comm = MPI.COMM_WORLD
-    owned = not tdist.is_initialized()
-    tmpdir = tempfile.mkdtemp(prefix="mpidist-gloo-") if RANK == 0 else None
-    tmpdir = comm.bcast(tmpdir, root=0)
-    if owned:
-        tdist.init_process_group(
-            "gloo", init_method=f"file://{tmpdir}/rendezvous", rank=RANK, world_size=SIZE, timeout=GLOO_TIMEOUT
-        )
-        pg = tdist.group.WORLD
-    else:  # someone else initialized torch.distributed: use a gloo group of our own
-        pg = tdist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
-    assert tdist.get_rank(pg) == RANK and tdist.get_world_size(pg) == SIZE
-    try:
+    with gloo_group("mpidist-gloo-", GLOO_TIMEOUT) as pg:
+        assert tdist.get_rank(pg) == RANK and tdist.get_world_size(pg) == SIZE
         yield pg
-    finally:
-        tdist.destroy_process_group(None if owned else pg)
-        comm.barrier()
-        if RANK == 0:
-            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def torch_or_skip(what: str, fn, *args, **kwargs) -> None:

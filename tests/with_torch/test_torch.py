@@ -17,10 +17,7 @@ loops collect their problems and call ``fail_together``).
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import warnings
-from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -28,7 +25,6 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as dist
-from mpidist._world import world
 from mpidist.backends.mpi_receive import reports_self_truncation
 
 from helpers import (
@@ -36,7 +32,10 @@ from helpers import (
     BF16,
     Maker,
     check_raises,
+    copies,
     fail_together,
+    gloo_group,
+    inputs_of,
     rank_input,
     reference,
     to_numpy,
@@ -58,14 +57,6 @@ def prv(r: int) -> int:
 
 def nxt(r: int) -> int:
     return (r + 1) % SIZE
-
-
-def copies() -> int:
-    return world.stats.copies
-
-
-def inputs_of(shape: tuple[int, ...], dtype: Any, salt: int = 0) -> list[np.ndarray]:
-    return [rank_input(r, shape, np.dtype(dtype), salt) for r in range(SIZE)]
 
 
 def expect(problems: list[str], what: str, got: Any, want: np.ndarray) -> None:
@@ -126,9 +117,9 @@ def _zc_all_reduce(m: Maker):
         dist.all_reduce(z, op=R.AVG)
 
     def check(p: list[str]) -> None:
-        expect(p, "all_reduce SUM", x, reference(inputs_of((4, 3), F8, 1), R.SUM))
-        expect(p, "all_reduce MAX", y, reference(inputs_of((5,), np.int32, 2), R.MAX))
-        expect(p, "all_reduce AVG", z, reference(inputs_of((3,), F8, 3), R.AVG))
+        expect(p, "all_reduce SUM", x, reference(inputs_of(SIZE, (4, 3), F8, 1), R.SUM))
+        expect(p, "all_reduce MAX", y, reference(inputs_of(SIZE, (5,), np.int32, 2), R.MAX))
+        expect(p, "all_reduce AVG", z, reference(inputs_of(SIZE, (3,), F8, 3), R.AVG))
 
     return run, [x, y, z], check
 
@@ -146,7 +137,7 @@ def _zc_reduce(m: Maker):
     x = m.input(RANK, (6,), F8, salt=5)
 
     def check(p: list[str]) -> None:
-        want = reference(inputs_of((6,), F8, 5), R.SUM) if RANK == 0 else rank_input(RANK, (6,), F8, 5)
+        want = reference(inputs_of(SIZE, (6,), F8, 5), R.SUM) if RANK == 0 else rank_input(RANK, (6,), F8, 5)
         expect(p, "reduce", x, want)
 
     return (lambda: dist.reduce(x, dst=0)), [x], check
@@ -158,7 +149,7 @@ def _zc_all_gather_into_tensor(m: Maker):
     return (
         (lambda: dist.all_gather_into_tensor(out, x)),
         [x, out],
-        lambda p: expect(p, "all_gather_into_tensor", out, np.stack(inputs_of((2, 3), F8, 6))),
+        lambda p: expect(p, "all_gather_into_tensor", out, np.stack(inputs_of(SIZE, (2, 3), F8, 6))),
     )
 
 
@@ -197,7 +188,7 @@ def _zc_scatter(m: Maker):
 def _zc_reduce_scatter_tensor(m: Maker):
     inp = m.input(RANK, (2 * SIZE, 3), F8, salt=10)
     out = m.zeros((2, 3))
-    full = reference(inputs_of((2 * SIZE, 3), F8, 10), R.SUM)
+    full = reference(inputs_of(SIZE, (2 * SIZE, 3), F8, 10), R.SUM)
     return (
         (lambda: dist.reduce_scatter_tensor(out, inp)),
         [inp, out],
@@ -231,7 +222,7 @@ def _zc_reduce_scatter_list(m: Maker):
     return (
         (lambda: dist.reduce_scatter(out, ins)),
         [*ins, out],
-        lambda p: expect(p, "reduce_scatter", out, reference(inputs_of((2,), F8, RANK), R.SUM)),
+        lambda p: expect(p, "reduce_scatter", out, reference(inputs_of(SIZE, (2,), F8, RANK), R.SUM)),
     )
 
 
@@ -245,8 +236,8 @@ def _zc_coalesced(m: Maker):
         dist.all_gather_coalesced(outs, ins)
 
     def check(p: list[str]) -> None:
-        expect(p, "all_reduce_coalesced [0]", ts[0], reference(inputs_of((3,), F8, 11), R.SUM))
-        expect(p, "all_reduce_coalesced [1]", ts[1], reference(inputs_of((2, 2), F8, 12), R.SUM))
+        expect(p, "all_reduce_coalesced [0]", ts[0], reference(inputs_of(SIZE, (3,), F8, 11), R.SUM))
+        expect(p, "all_reduce_coalesced [1]", ts[1], reference(inputs_of(SIZE, (2, 2), F8, 12), R.SUM))
         for r in range(SIZE):
             expect(p, f"all_gather_coalesced [{r}]", outs[r][0], rank_input(r, (2,), F8, 13))
 
@@ -332,7 +323,7 @@ def test_tensor_with_storage_offset_is_used_in_place():
     dist.all_reduce(mid, op=R.MAX)
     if copies() != before:
         problems.append("a contiguous slice was staged")
-    expect(problems, "the slice", mid, reference(inputs_of((4,), np.float32, 1), R.MAX))
+    expect(problems, "the slice", mid, reference(inputs_of(SIZE, (4,), np.float32, 1), R.MAX))
     expect(problems, "row 0", big[0], np.full(4, -7.0, np.float32))
     expect(problems, "row 2", big[2], np.full(4, -7.0, np.float32))
     fail_together(problems)
@@ -355,7 +346,7 @@ def test_channels_last_tensor_all_reduce_writes_back():
     dist.all_reduce(t, op=R.SUM)
     if copies() == before:
         problems.append("a non-contiguous tensor should be staged (counted in world.stats)")
-    expect(problems, "channels_last all_reduce", t, reference(inputs_of((2, 3, 2, 2), F8, 2), R.SUM))
+    expect(problems, "channels_last all_reduce", t, reference(inputs_of(SIZE, (2, 3, 2, 2), F8, 2), R.SUM))
     if t.stride() != strides or t.data_ptr() != ptr or not t.is_contiguous(memory_format=torch.channels_last):
         problems.append("the tensor's layout or memory changed")
     fail_together(problems)
@@ -379,11 +370,11 @@ def test_non_contiguous_outputs_written_back(dtype):
 
     x = column("all_reduce", rank_input(RANK, (3, 2), dtype, 1))
     dist.all_reduce(x)
-    expect(problems, "all_reduce", x, reference(inputs_of((3, 2), dtype, 1), R.SUM))
+    expect(problems, "all_reduce", x, reference(inputs_of(SIZE, (3, 2), dtype, 1), R.SUM))
 
     out = column("all_gather_into_tensor", np.zeros((n, 2), dtype))
     dist.all_gather_into_tensor(out, mk.input(RANK, (2,), dtype, 2))
-    expect(problems, "all_gather_into_tensor", out, np.stack(inputs_of((2,), dtype, 2)))
+    expect(problems, "all_gather_into_tensor", out, np.stack(inputs_of(SIZE, (2,), dtype, 2)))
 
     outs = [column(f"all_gather [{r}]", np.zeros((2, 2), dtype)) for r in range(n)]
     dist.all_gather(outs, mk.input(RANK, (2, 2), dtype, 3))
@@ -393,7 +384,7 @@ def test_non_contiguous_outputs_written_back(dtype):
     out = column("reduce_scatter_tensor", np.zeros((2,), dtype))
     dist.reduce_scatter_tensor(out, mk.input(RANK, (2 * n,), dtype, 4))
     expect(
-        problems, "reduce_scatter_tensor", out, reference(inputs_of((2 * n,), dtype, 4), R.SUM)[2 * RANK : 2 * RANK + 2]
+        problems, "reduce_scatter_tensor", out, reference(inputs_of(SIZE, (2 * n,), dtype, 4), R.SUM)[2 * RANK : 2 * RANK + 2]
     )
 
     out = column("scatter", np.zeros((2,), dtype))
@@ -534,12 +525,12 @@ def _in_place_ops(n: int) -> dict[str, tuple[tuple[int, ...], Callable[[Any, Any
         return mk(np.stack([rank_input(RANK, (2, 2), F8, 40 + j) for j in range(n)]).reshape(2 * n, 2))
 
     return {
-        "all_reduce": (shape, lambda mod, t: mod.all_reduce(t), lambda: reference(inputs_of(shape, F8, 20), R.SUM)),
+        "all_reduce": (shape, lambda mod, t: mod.all_reduce(t), lambda: reference(inputs_of(SIZE, shape, F8, 20), R.SUM)),
         "broadcast": (shape, lambda mod, t: mod.broadcast(t, src=n - 1), lambda: rank_input(n - 1, shape, F8, 20)),
         "reduce": (
             shape,
             lambda mod, t: mod.reduce(t, dst=0),
-            lambda: reference(inputs_of(shape, F8, 20), R.SUM) if RANK == 0 else None,
+            lambda: reference(inputs_of(SIZE, shape, F8, 20), R.SUM) if RANK == 0 else None,
         ),
         "scatter": (
             (2, 2),
@@ -601,7 +592,7 @@ def test_requires_grad_bfloat16_and_as_inputs():
     problems: list[str] = []
     x = torch.tensor(rank_input(RANK, (4,), np.dtype(np.float32), 3), dtype=torch.bfloat16, requires_grad=True)
     dist.all_reduce(x, op=R.MAX)
-    expect(problems, "bf16 all_reduce", x, reference(inputs_of((4,), BF16, 3), R.MAX))
+    expect(problems, "bf16 all_reduce", x, reference(inputs_of(SIZE, (4,), BF16, 3), R.MAX))
     if not (x.requires_grad and x.is_leaf and x.grad_fn is None):
         problems.append("bf16 leaf lost requires_grad or leaf-ness")
     inp = mk.input(RANK, (3,), F8, salt=4).requires_grad_()
@@ -609,7 +600,7 @@ def test_requires_grad_bfloat16_and_as_inputs():
     out = torch.zeros(SIZE, 3, dtype=torch.float64)
     dist.all_gather_into_tensor(out, y)
     expect(
-        problems, "all_gather_into_tensor of a non-leaf", out, np.stack(inputs_of((3,), F8, 4)).astype(np.float64) * 3
+        problems, "all_gather_into_tensor of a non-leaf", out, np.stack(inputs_of(SIZE, (3,), F8, 4)).astype(np.float64) * 3
     )
     expect(problems, "the input is unchanged", y, rank_input(RANK, (3,), F8, 4) * 3)
     got = torch.zeros(3, dtype=torch.float64)
@@ -627,26 +618,8 @@ def test_requires_grad_bfloat16_and_as_inputs():
 def gloo():
     """A gloo process group over the same processes (rank and size from MPI), for this module."""
     tdist = pytest.importorskip("torch.distributed")
-    if not tdist.is_available() or not tdist.is_gloo_available():
-        pytest.skip("this torch has no gloo backend")
-    comm = MPI.COMM_WORLD
-    owned = not tdist.is_initialized()
-    tmpdir = comm.bcast(tempfile.mkdtemp(prefix="mpidist-gloo-") if RANK == 0 else None, root=0)
-    timeout = timedelta(seconds=120)
-    if owned:
-        tdist.init_process_group(
-            "gloo", init_method=f"file://{tmpdir}/rendezvous", rank=RANK, world_size=SIZE, timeout=timeout
-        )
-        pg = tdist.group.WORLD
-    else:  # someone else initialized torch.distributed: use a gloo group of our own
-        pg = tdist.new_group(backend="gloo", timeout=timeout)
-    try:
+    with gloo_group("mpidist-gloo-") as pg:
         yield tdist, pg
-    finally:
-        tdist.destroy_process_group(None if owned else pg)
-        comm.barrier()
-        if RANK == 0:
-            shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 class _Gloo:
@@ -786,7 +759,7 @@ def test_premul_sum_factor_tensors():
     """Premul factors given as tensors: 1-element and 0-d, read when the collective runs, bfloat16,
     and one that requires grad (its value is used, autograd is not involved)."""
     problems: list[str] = []
-    vals = inputs_of((4,), np.float32, 5)
+    vals = inputs_of(SIZE, (4,), np.float32, 5)
     factor = torch.tensor([2.0])
     op = dist.make_premul_sum(factor)
     factor[0] = 4.0  # read at call time
@@ -832,7 +805,7 @@ def test_async_work_gives_back_the_callers_tensors():
         problems.append(f"all_reduce result() should be [x], got {got!r}")
     if fut.wait()[0] is not x:
         problems.append("the future's value should hold the caller's tensor")
-    want = reference(inputs_of((3,), F8, 1), R.SUM)
+    want = reference(inputs_of(SIZE, (3,), F8, 1), R.SUM)
     expect(problems, "all_reduce", x, want)
     if chained.wait() != [float(want.sum())]:
         problems.append(f"then() saw {chained.wait()}, expected {[float(want.sum())]}")

@@ -27,7 +27,7 @@ SIZE = MPI.COMM_WORLD.Get_size()
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank"),
+    pytest.mark.one_rank,  # starts its own processes, or checks this process's import of torch
 ]
 
 PROBE = textwrap.dedent(
@@ -109,9 +109,15 @@ def _lightning_job(backend: str, tmp_path: Path, *extra: str) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
-def test_lightning_trains_on_mpi_and_mpidist_bitwise_equal_to_gloo_without_importing_mpidist(tmp_path):
+@pytest.fixture(scope="module")
+def gloo_job(tmp_path_factory) -> list[dict]:
+    """The Lightning job on torch's gloo, the reference of both tests below (run once)."""
     pytest.importorskip("lightning")
-    gloo = _lightning_job("gloo", tmp_path)
+    return _lightning_job("gloo", tmp_path_factory.mktemp("lightning"))
+
+
+def test_lightning_trains_on_mpi_and_mpidist_bitwise_equal_to_gloo_without_importing_mpidist(tmp_path, gloo_job):
+    gloo = gloo_job
     for backend in ("mpi", "mpidist"):
         runs = _lightning_job(backend, tmp_path)
         for got, ref in zip(runs, gloo):
@@ -122,11 +128,10 @@ def test_lightning_trains_on_mpi_and_mpidist_bitwise_equal_to_gloo_without_impor
         assert runs[0]["weights"] == runs[1]["weights"], f"{backend}: the ranks' weights differ"
 
 
-def test_lightning_with_a_ddp_comm_hook_on_cpu_matches_gloo(tmp_path):
+def test_lightning_with_a_ddp_comm_hook_on_cpu_matches_gloo(tmp_path, gloo_job):
     """docs/torch-backend.md's strategy subclass registers fp16_compress_hook on CPU (Lightning does on CUDA only)."""
-    pytest.importorskip("lightning")
     gloo = _lightning_job("gloo", tmp_path, "fp16")
-    plain = _lightning_job("gloo", tmp_path)
+    plain = gloo_job
     runs = _lightning_job("mpi", tmp_path, "fp16")
     for got, ref in zip(runs, gloo):
         assert got["hooks"] == ["fp16_compress_hook"], got["hooks"]

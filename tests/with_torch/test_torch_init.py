@@ -186,7 +186,7 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+@pytest.mark.one_rank  # starts its own processes
 @needs_pmi1
 def test_plain_processes_form_a_world_through_env(tmp_path):
     n, port = 2, free_port()
@@ -229,7 +229,7 @@ MIXED = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(SIZE > 1, reason="starts its own processes; runs in the world of one rank")
+@pytest.mark.one_rank  # starts its own processes
 @needs_pmi1
 def test_mpidist_groups_beside_a_gloo_default_group(tmp_path):
     """torch's default group on gloo, then groups on mpidist: the first one over every rank starts mpidist

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-from mpi4py import MPI
 
 from helpers import REPO, clean_env
 
@@ -23,7 +22,7 @@ pytest.importorskip("expecttest", reason="torch's test utilities need expecttest
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own mpiexec -n 3; runs in the world of one rank")
+@pytest.mark.one_rank  # starts its own mpiexec -n 3
 def test_every_test_of_torchs_suite_that_runs_passes():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "torch_suite.py")], env=clean_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=840)  # fmt: skip
