@@ -296,6 +296,7 @@ dist.barrier()
 
 
 @pytest.mark.skipif(not (Path(sys.executable).parent / "mpiexec").exists(), reason="no mpiexec next to the interpreter")
+@pytest.mark.one_rank  # a job of its own (mpiexec -n 2)
 def test_a_posted_receive_of_a_message_that_is_not_whole_elements_raises(tmp_path):
     """Before: a blocking recv raised ValueError, but a posted receive (irecv, recv_init, batch_isend_irecv) of
     12 bytes into float64 was unpacked by MPI itself, and MPICH 5 failed an assertion and aborted the job.

@@ -338,6 +338,7 @@ only_once = pytest.mark.one_rank  # starts its own process
 
 
 @only_once
+@pytest.mark.one_library  # what a fresh interpreter imports: the same under any MPI library
 def test_the_command_alone_imports_neither_itself_by_default_nor_torch(tmp_path):
     """``import mpidist`` leaves mpidist.bench out; running the command never imports torch."""
     script = textwrap.dedent(

@@ -128,6 +128,9 @@ def test_lightning_trains_on_mpi_and_mpidist_bitwise_equal_to_gloo_without_impor
         assert runs[0]["weights"] == runs[1]["weights"], f"{backend}: the ranks' weights differ"
 
 
+# Lightning's registering of the hook is torch's and Lightning's code: under the second library the fp16 hook's
+# MPI path is test_torch_backend.py's DDP comm hook tests, and Lightning on that library the test above
+@pytest.mark.one_library
 def test_lightning_with_a_ddp_comm_hook_on_cpu_matches_gloo(tmp_path, gloo_job):
     """docs/torch-backend.md's strategy subclass registers fp16_compress_hook on CPU (Lightning does on CUDA only)."""
     gloo = _lightning_job("gloo", tmp_path, "fp16")

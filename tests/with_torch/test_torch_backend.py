@@ -746,6 +746,8 @@ def test_fsdp2_fully_shard_matches_single_process_training(pg):
 # -- starting: no environment under mpiexec, init methods, the import guard ----------------
 
 
+@pytest.mark.one_rank  # fresh interpreters of its own, no MPI in them
+@pytest.mark.one_library
 def test_import_guard_and_import_mpidist_stays_light(tmp_path):
     import subprocess
     import sys
