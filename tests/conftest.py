@@ -43,8 +43,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
       stores, Slurm's variables): under ``MPIDIST_TEST_ONE_LIBRARY=0`` (dev.py's second library) it
       is left out.
 
-    A test that checks anything across ranks (a collective, a group, an error every rank raises
-    together) takes neither: it runs at every world size.
+    A test that checks anything across ranks through MPI (a collective, a group, an error every
+    rank raises together, a timeout's diagnosis) takes neither: it runs at every world size, under
+    both libraries. Mark only what would be repeated unchanged; a pure local check that costs
+    nothing measurable may stay unmarked.
     """
     from mpi4py import MPI
 
