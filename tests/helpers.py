@@ -203,6 +203,20 @@ def timeout_head(op: str, seq: int, g: Any, timeout: str = "1") -> str:
     )
 
 
+def meet_outside_mpidist() -> None:
+    """Meet every rank of the world without entering mpidist (a raw MPI barrier, polled).
+
+    A test's absent rank calls this instead of sleeping a fixed time, and the others call it once
+    their call has timed out: the absent rank stays outside every mpidist call (their diagnosis
+    reports it as not answering) exactly as long as they need, however loaded the machine is.
+    """
+    import time
+
+    request = MPI.COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
 def sum_ok(c: Checks, g: Any) -> None:
     """Record whether an all_reduce of [r+1, 10 r] on ``g`` (of every rank) gives the exact sums: the group works."""
     n = MPI.COMM_WORLD.Get_size()

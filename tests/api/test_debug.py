@@ -26,7 +26,7 @@ from mpidist.diagnose.debug import Call, DebugBackend, verdict
 from mpidist.errors import DistBackendError, DistError
 from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
-from helpers import assert_equal, check_raises, fail_together, rank_input, reference
+from helpers import assert_equal, check_raises, fail_together, meet_outside_mpidist, rank_input, reference
 
 L = dist.DebugLevel
 R = dist.ReduceOp
@@ -968,9 +968,7 @@ def test_detail_check_is_bounded_by_the_barriers_own_timeout(rank, world_size, a
     g = dist.new_group(timeout=timedelta(seconds=20))
     dist.set_debug_level(L.DETAIL)
     problems: list[str] = []
-    if rank == 1:
-        time.sleep(2.5)  # past the others' timeout and their survey: not inside mpidist
-    else:
+    if rank != 1:  # rank 1 stays away (outside mpidist) until the others are done
         t0 = time.monotonic()
         try:
             w = dist.barrier(group=g, timeout=timedelta(seconds=1), async_op=async_op)
@@ -987,6 +985,7 @@ def test_detail_check_is_bounded_by_the_barriers_own_timeout(rank, world_size, a
                 problems.append(f"raised after {took:.2f} s; expected after the barrier's timeout of 1 s")
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
+    meet_outside_mpidist()
     _end_after_timeout(g, problems, world_size, rank)
 
 
@@ -1010,9 +1009,7 @@ def test_detail_check_timeout_names_the_users_call(rank, world_size, op):
     name = re.escape(g.group_name)
     dist.set_debug_level(L.DETAIL)
     problems: list[str] = []
-    if rank == 1:
-        time.sleep(timeout + 1.0)  # past the others' timeout and their survey: not inside mpidist
-    else:
+    if rank != 1:  # rank 1 stays away (outside mpidist) until the others are done
         try:
             _detail_call(op, g)
             problems.append(f"{op} with a late rank did not raise")
@@ -1034,6 +1031,7 @@ def test_detail_check_timeout_names_the_users_call(rank, world_size, op):
                 problems.append(f"message names the check's exchange: {text}")
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             problems.append(f"raised {type(exc).__name__} instead of DistBackendError: {exc}")
+    meet_outside_mpidist()
     _end_after_timeout(g, problems, world_size, rank)
 
 

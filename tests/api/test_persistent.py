@@ -36,6 +36,7 @@ from helpers import (
     fail_together,
     filled,
     kind,
+    meet_outside_mpidist,
     rank_input,
     reference,
     sentinel,
@@ -769,9 +770,7 @@ def test_a_rank_that_never_starts_makes_the_others_time_out(path, monkeypatch, r
     seq = calls_issued(g)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if rank == 1:
-        time.sleep(T + 1.0)
-    else:
+    if rank != 1:  # rank 1 stays away (outside mpidist) until the others are done
         p.start()
         op, number = ("persistent all_reduce", seq) if path == "persistent" else ("all_reduce", seq + 1)
         problems += _expect_timeout(
@@ -781,6 +780,7 @@ def test_a_rank_that_never_starts_makes_the_others_time_out(path, monkeypatch, r
         problems += check_raises(DistBackendError, "did not complete within the timeout", p.wait)
         if p.is_completed() is not True:
             problems.append("is_completed() of a failed operation should be True")
+    meet_outside_mpidist()
     p.free()
     dist.barrier()
     dist.destroy_process_group(g)
@@ -793,13 +793,12 @@ def test_wait_timeout_overrides_the_group_timeout(rank, world_size):
     p = dist.broadcast_init(np.zeros(2), src=1, group=g)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if rank == 1:
-        time.sleep(T + 1.0)
-    else:
+    if rank != 1:  # rank 1 stays away (outside mpidist) until the others are done
         p.start()
         problems += _expect_timeout(
             lambda: p.wait(timeout=T), [timeout_head("persistent broadcast", calls_issued(g), g)], T + SLACK, "wait(timeout=1)"
         )
+    meet_outside_mpidist()
     p.free()
     dist.barrier()
     dist.destroy_process_group(g)
@@ -811,15 +810,14 @@ def test_a_rank_that_never_creates_makes_the_others_time_out(rank, world_size):
     g = dist.new_group(timeout=T)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if rank == 1:
-        time.sleep(T + 1.0)
-    else:
+    if rank != 1:  # rank 1 stays away (outside mpidist) until the others are done
         problems += _expect_timeout(
             lambda: dist.all_gather_into_tensor_init(np.zeros(2 * world_size), np.zeros(2), group=g),
             [timeout_head(r"all_gather_into_tensor_init \(every rank creates it, in the same order\)", 1, g),
              rf"Rank 1: {NO_ANSWER}"],
             T + SLACK, "all_gather_into_tensor_init",
         )  # fmt: skip
+    meet_outside_mpidist()
     dist.barrier()
     dist.destroy_process_group(g)
     fail_together(problems)

@@ -23,7 +23,7 @@ import mpidist as dist
 from mpidist import DistBackendError, Work
 from mpidist.testing import backend_of, calls_issued, p2p_calls_issued
 
-from helpers import assert_equal, fail_together, timeout_head
+from helpers import assert_equal, fail_together, meet_outside_mpidist, timeout_head
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
@@ -32,8 +32,6 @@ SIZE = MPI.COMM_WORLD.Get_size()
 T = 1.0
 #: an error must arrive within the timeout plus this (the issue's bound)
 SLACK = 2.0
-#: a missing rank sleeps this long: past the timeout and every rank's survey of the others
-ABSENT_S = T + 1.0
 
 NO_ANSWER = r"no answer \(not waiting in an mpidist call"
 UNUSABLE = r"The group is unusable now \(the call is still pending inside MPI\): destroy it"
@@ -104,20 +102,19 @@ def _run(op: str, g: dist.ProcessGroup) -> None:
     "op", ["all_reduce", "all_reduce-avg", "broadcast", "barrier", "all_gather_into_tensor", "all_gather"]
 )
 def test_missing_rank_times_out_with_diagnosis(op):
-    """Rank 1 sleeps instead of calling: the others raise within T + 2 s, naming op, group, call, timeout, rank 1."""
+    """Rank 1 stays away instead of calling: the others raise within T + 2 s, naming op, group, call, timeout, rank 1."""
     g = dist.new_group(timeout=T)
     name = op.split("-")[0]
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if RANK == MISSING:
-        time.sleep(ABSENT_S)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         problems, _ = expect_timeout(
             lambda: _run(op, g),
             [timeout_head(name, 1, g), rf"Rank {MISSING}: {NO_ANSWER}", UNUSABLE],
             T + SLACK,
             op,
         )
+    meet_outside_mpidist()
     dist.barrier()
     dist.destroy_process_group(g)
     problems += world_sum_ok()
@@ -130,9 +127,7 @@ def test_ranks_that_time_out_together_report_each_other_as_waiting():
     g = dist.new_group(timeout=T)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if RANK == MISSING:
-        time.sleep(ABSENT_S)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         others = [r for r in range(SIZE) if r not in (RANK, MISSING)]
         patterns = [timeout_head("all_reduce", 1, g), rf"Rank {MISSING}: {NO_ANSWER}"]
         patterns += [
@@ -141,6 +136,7 @@ def test_ranks_that_time_out_together_report_each_other_as_waiting():
         problems, exc = expect_timeout(lambda: dist.all_reduce(np.ones(2), group=g), patterns, T + SLACK, "all_reduce")
         if exc is not None and re.search(rf"Rank ({'|'.join(map(str, others))}): no answer", str(exc)):
             problems.append(f"a rank that timed out too was reported as not answering: {exc}")
+    meet_outside_mpidist()
     dist.barrier()
     fail_together(problems)
 
@@ -175,12 +171,11 @@ def test_world_and_new_groups_work_after_a_timeout():
     g = dist.new_group(timeout=T)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if RANK == MISSING:
-        time.sleep(ABSENT_S)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         problems, _ = expect_timeout(
             lambda: dist.all_reduce(np.ones(2), group=g), [timeout_head("all_reduce", 1, g)], T + SLACK, "all_reduce"
         )
+    meet_outside_mpidist()
     dist.barrier()
     dist.destroy_process_group(g)
     if not g.destroyed:
@@ -231,9 +226,7 @@ def test_sequence_number_counts_collectives_not_p2p():
     if p2p_calls_issued(g) != 4:
         problems.append(f"p2p calls issued {p2p_calls_issued(g)}, expected 4")
     MPI.COMM_WORLD.Barrier()
-    if RANK == MISSING:
-        time.sleep(ABSENT_S)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         p, _ = expect_timeout(
             lambda: dist.all_reduce(np.ones(2), group=g),
             [timeout_head("all_reduce", collectives + 1, g), rf"Rank {MISSING}: {NO_ANSWER}"],
@@ -241,6 +234,7 @@ def test_sequence_number_counts_collectives_not_p2p():
             "all_reduce",
         )
         problems += p
+    meet_outside_mpidist()
     dist.barrier()
     fail_together(problems)
 
@@ -388,9 +382,7 @@ def test_async_collective_wait_times_out(how):
     g = dist.new_group(timeout=group_timeout)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if RANK == MISSING:
-        time.sleep(limit + 1.0)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         w = dist.all_reduce(np.ones(3), group=g, async_op=True)
         assert isinstance(w, Work)
         if how == "wait-timeout":
@@ -407,6 +399,7 @@ def test_async_collective_wait_times_out(how):
             problems.append("Work.exception() is None after the timeout")
         if exc is not None and w.is_success():
             problems.append("Work.is_success() after the timeout")
+    meet_outside_mpidist()
     dist.barrier()
     fail_together(problems)
 
@@ -429,9 +422,7 @@ def test_subgroup_message_uses_group_ranks_and_names_global_ranks():
             problems.append(f"global rank 1 got {g!r}, not NON_GROUP_MEMBER")
         if dist.all_reduce(np.ones(2), group=g) is not None:
             problems.append("all_reduce on a non-member did not return None")
-    elif RANK == 2:
-        time.sleep(ABSENT_S)
-    else:
+    elif RANK != 2:  # global rank 2 stays away (outside mpidist) until the others are done
         me = members.index(RANK)
         patterns = [timeout_head("all_reduce", 1, g), rf"Rank 1 \(global rank 2\): {NO_ANSWER}"]
         for gr, gl in enumerate(members):
@@ -446,6 +437,7 @@ def test_subgroup_message_uses_group_ranks_and_names_global_ranks():
                 problems.append(f"the message does not give this rank's group rank {me}: {exc}")
             if "(global rank 0)" in str(exc):
                 problems.append(f"global rank 0 (= group rank 0) is annotated needlessly: {exc}")
+    meet_outside_mpidist()
     dist.barrier()
     fail_together(problems)
 
@@ -458,12 +450,11 @@ def test_group_timeout_bounds_the_call_not_the_world_timeout():
     assert g.timeout == timedelta(milliseconds=500)
     MPI.COMM_WORLD.Barrier()
     problems: list[str] = []
-    if RANK == MISSING:
-        time.sleep(1.5)
-    else:
+    if RANK != MISSING:  # rank 1 stays away (outside mpidist) until the others are done
         problems, _ = expect_timeout(
             lambda: dist.barrier(group=g), [timeout_head("barrier", 1, g, "0.5")], 0.5 + SLACK, "barrier"
         )
+    meet_outside_mpidist()
     dist.barrier()
     fail_together(problems)
 
