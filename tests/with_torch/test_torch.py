@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 import mpidist as dist
 from mpidist.backends.mpi_receive import reports_self_truncation
+from mpidist.backends.mpi_types import LARGE_COUNTS
 
 from helpers import (
     ALL_DTYPES,
@@ -303,12 +304,18 @@ def test_contiguous_tensors_are_used_in_place(case):
     check(problems)
     if [t.data_ptr() for t in tensors] != ptrs:
         problems.append("a tensor's data_ptr changed")
-    if torch_copies != numpy_copies:
+    # a list of arrays is one MPI message of byte displacements from its lowest array; an MPI library
+    # without MPI-4 large counts (the Open MPI 5 wheel) cannot express displacements beyond 2^31 bytes,
+    # so lists whose tensors the allocator placed that far apart go through one staging buffer per list
+    # (backends/mpi.py _vector). Seen on rank 0 after the large-message tests: the copy the layout needs.
+    spread = max(t.data_ptr() + t.nbytes for t in tensors) - min(t.data_ptr() for t in tensors)
+    far_apart = not LARGE_COUNTS and spread > np.iinfo(np.int32).max
+    if torch_copies != numpy_copies and not far_apart:
         problems.append(f"{torch_copies} staging copies for torch tensors, {numpy_copies} for numpy arrays")
     # a receive from this rank itself goes through a buffer one element longer on a library that truncates
     # such messages silently (Open MPI; see MPIBackend.recv): the two receives of the p2p case at -n 1
     allowed = 2 if case == "isend/irecv/batch" and SIZE == 1 and not reports_self_truncation() else 0
-    if case not in PACKING and torch_copies != allowed:
+    if case not in PACKING and not (torch_copies == allowed or far_apart and torch_copies <= allowed + 2):
         problems.append(f"{torch_copies} staging copies for contiguous tensors (expected {allowed})")
     fail_together(problems)
 
