@@ -1,10 +1,12 @@
-"""Build the three C extensions; everything else is in pyproject.toml.
+"""Build the four C extensions; everything else is in pyproject.toml.
 
 * ``mpidist.arrays._ready``: the array layer's readiness check (``arrays/host.py``);
 * ``mpidist.backends._direct``: the MPI backend's hot collectives as direct MPI calls
   (``backends/direct.py``);
 * ``mpidist.backends._halfops``: MPI reduction ops for float16 and bfloat16 (``backends/halfops.py``),
-  built with -O3 so that the compiler vectorizes their loops.
+  built with -O3 so that the compiler vectorizes their loops;
+* ``mpidist.backends._shm``: the shared-memory path's counters with C11 memory order
+  (``backends/shm.py``).
 
 All are optional: where they cannot be built (no C compiler), mpidist installs
 without them and runs the same Python code they speed up.
@@ -20,6 +22,7 @@ setup(
             ("mpidist.arrays._ready", "mpidist/arrays/_ready.c", "-O2"),
             ("mpidist.backends._direct", "mpidist/backends/_direct.c", "-O2"),
             ("mpidist.backends._halfops", "mpidist/backends/_halfops.c", "-O3"),
+            ("mpidist.backends._shm", "mpidist/backends/_shm.c", "-O2"),
         ]
     ]
 )

@@ -15,7 +15,9 @@ in modules by responsibility:
   MIN/MAX on floats, widening), as a plan of messages and steps;
 * ``mpi_receive.py``: the receive path (posted and matched receives, size checks);
 * ``mpi_persistent.py``: persistent operations, made by a collaborator the backend holds;
-* ``direct.py``: the hot collectives' one MPI call each (C where built).
+* ``direct.py``: the hot collectives' one MPI call each (C where built);
+* ``shm.py``: large collectives among ranks of one node through shared memory, from the
+  sizes ``shm_tuning.py`` gives (below them, and across nodes, MPI's own call runs).
 
 List collectives (all_gather into a list, gather, scatter, all_to_all) address
 the caller's arrays directly: the vector variants of the MPI calls get byte
@@ -51,6 +53,8 @@ from .mpi_types import (
     count_limit_note,
     type_table,
 )  # fmt: skip
+from .shm import SharedPath
+from .shm_tuning import NEVER, SETUP_FLOOR
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -160,6 +164,10 @@ class MPIBackend(BaseBackend):
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
         self._epoch = 0  # monitored_barrier calls on this communicator
         self._persistent = MPIPersistent(self, comm, self._types, self.agree)
+        # the shared-memory path (shm.py): set up by the first call of SETUP_FLOOR bytes, then calls from
+        # _shm_from bytes look at it; NEVER where it is off (one rank, or the ranks agreed so)
+        self._shm: SharedPath | None = None
+        self._shm_from = SETUP_FLOOR if self.size > 1 else NEVER
 
     def mpi_calls(self) -> str:
         """``"direct"`` if the hot collectives call MPI from C (``direct.py``), else ``"mpi4py"``."""
@@ -186,7 +194,10 @@ class MPIBackend(BaseBackend):
         A communicator with operations that timed out is left allocated (a small
         leak): freeing it under a pending operation aborts the job in Open MPI.
         """
-        if self._owns_comm and self.comm != MPI.COMM_NULL and not self.pending():
+        if self.pending():
+            return
+        self._shm = None  # its memory goes when every rank has dropped it
+        if self._owns_comm and self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
     def agree_to_free(self, state: Sequence[int], messages: tuple[int, int], limit_s: float) -> bool:
@@ -310,6 +321,35 @@ class MPIBackend(BaseBackend):
             error = DistBackendError(f"{error} {count_limit_note()}")
         return error
 
+    # -- shared memory --------------------------------------------------------------------
+    def _shared(self, fn: str, nbytes: int) -> SharedPath | None:
+        """The shared-memory path if a call of ``fn`` on ``nbytes`` takes it (set up on first use), else None.
+
+        Every rank answers alike: the sizes are the same on every rank and the thresholds were agreed.
+        """
+        path = self._shm
+        if path is None:
+            path = self._shm = SharedPath.setup(self, fn)
+            self._shm_from = NEVER if path is None else path.smallest
+            if path is None:
+                return None
+        return path if path.takes(fn, nbytes) else None
+
+    def _shm_runs(self, fn: str, nbytes: int, dtype: np.dtype, op: Any = None, reduces: bool = False) -> bool:
+        """Whether one-off calls of ``fn`` on ``nbytes`` go through shared memory: a persistent operation of
+        that size then runs them (``BaseBackend``'s plan), so that it takes the same path."""
+        if nbytes < self._shm_from:
+            return False
+        e = self._types.get(dtype)
+        if e is None:
+            return False  # the persistent path raises the TypeError
+        path = self._shared(fn, nbytes)
+        return path is not None and (not reduces or path.reducer(e, op) is not None)
+
+    def shared_memory(self) -> SharedPath | None:
+        """The group's shared-memory path once set up (None before, or where it is off): for tests and the bench."""
+        return self._shm
+
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
         self,
@@ -346,6 +386,12 @@ class MPIBackend(BaseBackend):
     def all_reduce(self, buf: ndarray, backs: Any, op: Any, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "all_reduce")
+        if buf.nbytes >= self._shm_from:
+            path = self._shared("all_reduce", buf.nbytes)
+            r = None if path is None else path.reducer(e, op)
+            if r is not None:
+                post = then_write_back(None, backs) if backs else None
+                return self._done("all_reduce", path.all_reduce(buf, r), post, buf, async_op)
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -362,6 +408,12 @@ class MPIBackend(BaseBackend):
     def reduce(self, buf: ndarray, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "reduce")
+        if buf.nbytes >= self._shm_from:
+            path = self._shared("reduce", buf.nbytes)
+            r = None if path is None else path.reducer(e, op)
+            if r is not None:
+                post = then_write_back(None, backs) if backs and self.rank == root else None
+                return self._done("reduce", path.reduce(buf, r, root), post, buf, async_op)
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -381,6 +433,14 @@ class MPIBackend(BaseBackend):
         e = self._types.get(out.dtype) or bad_dtype(out, "reduce_scatter_tensor")
         if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
+        if inp.nbytes >= self._shm_from:
+            path = self._shared("reduce_scatter_tensor", inp.nbytes)
+            r = None if path is None else path.reducer(e, op)
+            if r is not None:
+                post = then_write_back(None, backs) if backs else None
+                return self._done(
+                    "reduce_scatter_tensor", path.reduce_scatter(out, inp, r), post, (inp, out), async_op
+                )
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -423,6 +483,11 @@ class MPIBackend(BaseBackend):
     def broadcast(self, buf: ndarray, backs: Any, root: int, async_op: bool) -> Work | None:
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "broadcast")
+        if buf.nbytes >= self._shm_from:
+            path = self._shared("broadcast", buf.nbytes)
+            if path is not None:
+                post = then_write_back(None, backs) if backs else None
+                return self._done("broadcast", path.broadcast(buf, root), post, buf, async_op)
         try:
             req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.spins)
         except MPI.Exception as exc:
@@ -442,6 +507,12 @@ class MPIBackend(BaseBackend):
                 send = None  # in place: the input already sits in this rank's slot of the output
             else:
                 send = self._separate(inp)
+        if out.nbytes >= self._shm_from:
+            path = self._shared("all_gather_into_tensor", out.nbytes)
+            if path is not None:
+                post = then_write_back(None, backs) if backs else None
+                shm_op = path.all_gather(out, send)
+                return self._done("all_gather_into_tensor", shm_op, post, (out, send), async_op)
         try:
             req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.spins)
         except MPI.Exception as exc:
@@ -632,19 +703,29 @@ class MPIBackend(BaseBackend):
     # -- persistent operations: MPI-4 persistent requests where every rank can make them ------------
     # (MPIPersistent returns None where the ranks agreed on BaseBackend's nonblocking plan)
     def broadcast_init(self, buf: ndarray, backs: Any, root: int) -> PersistentPlan:
+        if self._shm_runs("broadcast", buf.nbytes, buf.dtype):
+            return super().broadcast_init(buf, backs, root)
         return self._persistent.broadcast_init(buf, backs, root) or super().broadcast_init(buf, backs, root)
 
     def all_reduce_init(self, buf: ndarray, backs: Any, op: Any) -> PersistentPlan:
+        if self._shm_runs("all_reduce", buf.nbytes, buf.dtype, op, True):
+            return super().all_reduce_init(buf, backs, op)
         return self._persistent.all_reduce_init(buf, backs, op) or super().all_reduce_init(buf, backs, op)
 
     def reduce_init(self, buf: ndarray, backs: Any, op: Any, root: int) -> PersistentPlan:
+        if self._shm_runs("reduce", buf.nbytes, buf.dtype, op, True):
+            return super().reduce_init(buf, backs, op, root)
         return self._persistent.reduce_init(buf, backs, op, root) or super().reduce_init(buf, backs, op, root)
 
     def all_gather_into_tensor_init(self, out: ndarray, backs: Any, inp: ndarray) -> PersistentPlan:
+        if self._shm_runs("all_gather_into_tensor", out.nbytes, out.dtype):
+            return super().all_gather_into_tensor_init(out, backs, inp)
         plan = self._persistent.all_gather_into_tensor_init(out, backs, inp)
         return plan or super().all_gather_into_tensor_init(out, backs, inp)
 
     def reduce_scatter_tensor_init(self, out: ndarray, backs: Any, inp: ndarray, op: Any) -> PersistentPlan:
+        if self._shm_runs("reduce_scatter_tensor", inp.nbytes, out.dtype, op, True):
+            return super().reduce_scatter_tensor_init(out, backs, inp, op)
         plan = self._persistent.reduce_scatter_tensor_init(out, backs, inp, op)
         return plan or super().reduce_scatter_tensor_init(out, backs, inp, op)
 

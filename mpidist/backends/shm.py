@@ -1,0 +1,604 @@
+"""The MPI backend's shared-memory path: large collectives among the ranks of one node at memory speed.
+
+On one node a large collective is bounded by memory bandwidth, and MPI's algorithms
+move each byte through small shared cells several times. Here the ranks of a group
+that share a node map one shared segment and move each chunk of a message once:
+
+* **all_reduce**: every rank reduces one segment of each chunk. A rank copies the
+  segments the others reduce into its slot (its own it reads where it is), reduces
+  its segment from every rank's copy in rank order into its result area (and into
+  its own array), then copies the others' results into its array. Per rank that is
+  (n-1)/n of the message copied in, one reduction of 1/n, (n-1)/n copied out.
+* **reduce**: the same, but only the destination copies results out.
+* **broadcast**: the source copies each chunk into its slot, the others copy it out.
+* **all_gather_into_tensor**: each rank copies its input into its slot, every rank
+  copies every slot into its output.
+* **reduce_scatter_tensor**: each rank copies the blocks others reduce into its slot
+  and reduces its own block straight into its output.
+
+A message goes in chunks of :data:`CHUNK` bytes through two slots per rank (double
+buffering), so one phase of a chunk overlaps the next chunk's copy. Ranks announce
+each phase by raising a counter in the segment (``_shm.c``: a release store, read
+with acquire loads) and numbered chunks never repeat, so no counter is ever reset.
+
+Every result is computed once, by one rank, in rank order (bit-identical on every
+rank and from run to run), with numpy's vectorized loops, mpidist's C ops for
+float16/bfloat16 (``halfops.py``), and order keys for float MIN/MAX (``reduce_op``).
+
+An operation is a request like MPI's (:class:`SharedOp`): ``Test()`` does whatever
+the other ranks' counters allow and never waits, so ``work.poll`` (with its
+yields, the group's timeout and the "who is where" diagnosis) and ``Work`` (async_op)
+drive it as they drive MPI's requests. A group's operations run in issue order.
+
+The segment is POSIX shared memory: the group's rank 0 creates it, every rank maps
+it, and rank 0 unlinks its name as soon as all have (milliseconds later), so a
+crash or a kill leaves nothing behind; the memory goes when the last rank unmaps it.
+Peak extra memory: n x (2 x CHUNK + 2 x CHUNK/n) per node (6 MiB for 2 ranks,
+10 MiB for 4), whatever the message size.
+
+Example (``mpiexec -n 2``, after ``init_process_group``): an all_reduce of 4 MiB takes
+this path (``shm_tuning.py`` says from which size)::
+
+    >>> x = np.ones(1 << 20, np.float32)
+    >>> dist.all_reduce(x); x[:2]
+    array([2., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import secrets
+import socket
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .._validate import c_extension_refused
+from ..errors import DistBackendError
+from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, from_order_keys, to_order_keys
+from ..work import poll
+from . import shm_tuning
+from .mpi_types import TypeEntry
+
+try:  # the POSIX shared-memory calls multiprocessing.shared_memory uses (no resource tracker here)
+    import _posixshmem
+except ImportError:  # pragma: no cover - not a POSIX system
+    _posixshmem = None
+
+__all__ = ["SharedPath", "SharedOp", "Reducer", "CHUNK", "shm_status"]
+
+#: bytes of a message per chunk and slot (measured on 2 ranks, 4 and 64 MiB all_reduce: 256 KiB chunks
+#: took 1.2x the time of 1 MiB ones, 2 MiB ones 0.95-1.05x; 1 MiB keeps the segment small)
+CHUNK = 1 << 20
+#: per rank: four counters a cache line apart (deposited, combined, collected, attached)
+_HEADER = 256
+_DEPOSITED, _COMBINED, _COLLECTED, _ATTACHED = 0, 64, 128, 192
+
+_UFUNCS = {
+    Prim.SUM: np.add, Prim.PROD: np.multiply, Prim.MIN: np.minimum, Prim.MAX: np.maximum,
+    Prim.BAND: np.bitwise_and, Prim.BOR: np.bitwise_or, Prim.BXOR: np.bitwise_xor,
+    Prim.LAND: np.logical_and, Prim.LOR: np.logical_or, Prim.LXOR: np.logical_xor,
+}  # fmt: skip
+
+
+def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], int], str]:
+    """``(publish, least, why not)``: the C counters, or ctypes ones where the CPU keeps order (x86-64)."""
+    refused = c_extension_refused()
+    if not refused:
+        try:
+            from . import _shm
+
+            return _shm.publish, _shm.least, ""
+        except ImportError:
+            refused = "the C module mpidist.backends._shm was not built"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return _no_publish, _no_least, f"{refused}, and this CPU ({platform.machine()}) reorders memory accesses"
+    import ctypes
+
+    cell = ctypes.c_int64.from_address
+
+    def publish(address: int, value: int) -> None:
+        cell(address).value = value
+
+    def least(address: int, count: int, stride: int) -> int:
+        return min(cell(address + k * stride).value for k in range(count))
+
+    return publish, least, ""
+
+
+def _no_publish(address: int, value: int) -> None:  # pragma: no cover - the path is off where these are chosen
+    raise RuntimeError("no ordered counters on this CPU")
+
+
+def _no_least(address: int, count: int, stride: int) -> int:  # pragma: no cover
+    raise RuntimeError("no ordered counters on this CPU")
+
+
+_publish, _least, _COUNTERS_MISSING = _counters()
+
+
+def shm_status() -> str:
+    """Why the shared-memory path cannot run in this process ('' if it can; ``MPIDIST_SHM`` aside)."""
+    if _posixshmem is None:  # pragma: no cover
+        return "this Python has no POSIX shared memory (_posixshmem)"
+    return _COUNTERS_MISSING
+
+
+def _node_key() -> int:
+    """A number that differs between hosts (and between IPC/mount namespaces of one host), 62 bits."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    for ns in ("ipc", "mnt"):
+        try:
+            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
+        except OSError:
+            pass
+    digest = hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+class Reducer:
+    """How the shared-memory path reduces one dtype with one op: ``deposit``, ``reduce``, ``finish``."""
+
+    __slots__ = ("ufunc", "keys", "kdt", "mop", "mtype", "divide", "n")
+
+    def __init__(self, ufunc: Any, keys: Prim | None, kdt: Any, mop: Any, mtype: Any, divide: Any, n: int) -> None:
+        self.ufunc = ufunc  # numpy's loop (on values, or on order keys)
+        self.keys = keys  # Prim.MIN/MAX: every rank deposits order keys, the reducer turns them back
+        self.kdt = kdt  # the keys' integer dtype
+        self.mop, self.mtype = mop, mtype  # mpidist's C op (float16/bfloat16) and the datatype it is called with
+        self.divide = divide  # AVG's division of the sum, or None
+        self.n = n
+
+    @classmethod
+    def of(cls, e: TypeEntry, op: Any, n: int) -> Reducer | None:
+        """The reducer of ``op`` on ``e``'s dtype, or None where MPI's path must run it (PREMUL_SUM, an invalid op)."""
+        if type(op) is not RedOpType:
+            return None
+        entry = OP_TABLE[e.info.kind][op]
+        if entry is None:
+            return None  # MPI's path raises the error
+        prim, post = entry
+        if post is Post.PREMUL:
+            return None
+        divide = None
+        if post is Post.AVG:
+            divide = e.half.divide if e.half is not None else (lambda a, k: divide_average(a, k, np))
+        if e.half is not None:
+            mop = e.fast[RedOpType.SUM if post is Post.AVG else op]
+            return None if mop is None else cls(None, None, None, mop, e.mpi, divide, n)
+        if e.wide is not None:  # pragma: no cover - a library that cannot reduce this float natively
+            return None
+        if post is Post.KEYS:
+            kdt = np.dtype(f"i{e.info.dtype.itemsize}")
+            return cls(_UFUNCS[prim], prim, kdt, None, None, None, n)
+        return cls(_UFUNCS[prim], None, None, None, None, divide, n)
+
+    def deposit(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Put ``src`` where the reducing rank reads it: a copy, or its order keys."""
+        if self.keys is None:
+            np.copyto(dst, src)
+        else:
+            to_order_keys(src, dst, self.keys, np)
+
+    def reduce(self, dst: np.ndarray, sources: list[np.ndarray]) -> None:
+        """``dst = sources[0] op sources[1] op ...`` in that order, then AVG's division or the keys turned back."""
+        if self.mop is not None:
+            np.copyto(dst, sources[0])
+            for s in sources[1:]:  # the C op computes dst = s op dst: commutative, exactly
+                self.mop.Reduce_local([s, self.mtype], [dst, self.mtype])
+        else:
+            ufunc = self.ufunc
+            if self.keys is not None:
+                kdt = self.kdt
+                out, sources = dst.view(kdt), [s.view(kdt) for s in sources]
+            else:
+                out = dst
+            with np.errstate(all="ignore"):  # overflow to inf is a result, as in MPI
+                ufunc(sources[0], sources[1], out=out)
+                for s in sources[2:]:
+                    ufunc(out, s, out=out)
+            if self.keys is not None:
+                from_order_keys(out, dst.dtype, self.keys, np)
+                return
+        if self.divide is not None:
+            self.divide(dst, self.n)
+
+    @property
+    def own_in_place(self) -> bool:
+        """Whether the reducing rank reads its own part where it is (not for keys: those are deposited)."""
+        return self.keys is None
+
+
+class SharedPath:
+    """One group's shared segment: the ranks' regions, their counters, and the queue of operations."""
+
+    def __init__(self, rank: int, size: int, mem: mmap.mmap, limits: dict[str, int]) -> None:
+        self.rank, self.size = rank, size
+        self.limits = limits  # bytes from which each collective comes here (agreed by every rank)
+        self.smallest = min(limits.values())
+        self.result_bytes = (CHUNK // size + 16 + 63) & ~63
+        self.per = _HEADER + 2 * CHUNK + 2 * self.result_bytes  # bytes of one rank's region
+        self.mem = mem
+        self.bytes = np.frombuffer(mem, np.uint8)
+        self.base = self.bytes.ctypes.data
+        self.mine = self.base + rank * self.per
+        self.chunks = 0  # chunks issued on this path so far (the same on every rank)
+        self.queue: deque[SharedOp] = deque()
+        self._views: dict[np.dtype, tuple[list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
+        self._reducers: dict[tuple[np.dtype, Any], Reducer | None] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    @classmethod
+    def setup(cls, backend: Any, fn: str) -> SharedPath | None:
+        """Agree with the group's other ranks whether and from which sizes to use shared memory; map it.
+
+        Called by every rank in the same call (the first of at least ``SETUP_FLOOR`` bytes). One
+        nonblocking MPI_Iallreduce, polled within the group's timeout, carries each rank's
+        consent, its node's key and its thresholds, and rank 0's segment name; a rank that does
+        not come makes the call time out as any collective would. Returns None where the path is
+        off (a rank refuses, the ranks span nodes, one rank).
+        """
+        comm, rank, size = backend.comm, backend.rank, backend.size
+        library = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
+        willing = size > 1 and shm_tuning.enabled() and not shm_status()
+        limits = shm_tuning.thresholds(size, library)
+        per = _HEADER + 2 * CHUNK + 2 * ((CHUNK // size + 16 + 63) & ~63)
+        name, mem, nonce = "", None, 0
+        if willing and rank == 0:
+            nonce = secrets.randbits(62)
+            name = f"/mpidist-{os.getpid()}-{nonce:x}"
+            try:
+                mem = _create(name, size * per)
+            except OSError:
+                willing, name = False, ""
+        key = _node_key()
+        mine = np.array(
+            [-int(willing), key, -key, os.getpid() if name else 0, nonce, *(limits[c] for c in shm_tuning.COLLECTIVES)],
+            np.int64,
+        )
+        agreed = np.zeros_like(mine)
+        try:
+            req = comm.Iallreduce(mine, agreed, MPI.MAX)
+            if not req.Test() and not poll(
+                req.Test, backend.timeout_s, backend.spins, (backend.group_name, fn, backend.seq)
+            ):
+                backend.keep_stuck([req], (mine, agreed))
+                raise backend.timeout_failure(fn, backend.seq, backend.timeout_s)
+        except BaseException:
+            if name:
+                _unlink(name)
+            raise
+        if agreed[0] != -1 or agreed[1] != -agreed[2]:  # someone refused, or not every rank is on this node
+            if name:
+                _unlink(name)
+            return None
+        name = name or f"/mpidist-{int(agreed[3])}-{int(agreed[4]):x}"
+        try:
+            if mem is None:
+                mem = _attach(name, size * per)
+        except OSError as exc:
+            raise DistBackendError(
+                f"{fn}: rank {rank} of group {backend.group_name or 'default'} could not map the group's shared "
+                f"memory {name} ({exc}); set MPIDIST_SHM=0 to use MPI's calls only"
+            ) from exc
+        limits = dict(zip(shm_tuning.COLLECTIVES, (int(v) for v in agreed[5:])))
+        path = cls(rank, size, mem, limits)
+        _publish(path.mine + _ATTACHED, 1)
+        if rank == 0:  # every rank has mapped it (or the wait ran out): the name can go
+            try:
+                if not poll(
+                    lambda: _least(path.base + _ATTACHED, size, path.per) >= 1,
+                    backend.timeout_s, backend.spins, (backend.group_name, fn, backend.seq),
+                ):  # fmt: skip
+                    raise backend.timeout_failure(fn, backend.seq, backend.timeout_s)
+            finally:
+                _unlink(name)
+        return path
+
+    # -- what the collectives use ---------------------------------------------------------------------
+    def views(self, dtype: np.dtype) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]]]:
+        """Per rank and slot: the slot and the result area as arrays of ``dtype`` (made once per dtype)."""
+        got = self._views.get(dtype)
+        if got is None:
+            slots, results = [], []
+            isz = dtype.itemsize
+            for k in range(self.size):
+                at = k * self.per + _HEADER
+                slots.append([self.bytes[at + p * CHUNK : at + (p + 1) * CHUNK].view(dtype) for p in (0, 1)])
+                at += 2 * CHUNK
+                rb = self.result_bytes // isz * isz
+                results.append(
+                    [self.bytes[at + p * self.result_bytes : at + p * self.result_bytes + rb].view(dtype) for p in (0, 1)]
+                )
+            got = self._views[dtype] = (slots, results)
+        return got
+
+    def reducer(self, e: TypeEntry, op: Any) -> Reducer | None:
+        """The reducer of ``op`` on ``e``'s dtype (cached), or None: MPI's path runs that reduction."""
+        k = (e.info.dtype, op)
+        if k not in self._reducers:
+            self._reducers[k] = Reducer.of(e, op, self.size)
+        return self._reducers[k]
+
+    def takes(self, fn: str, nbytes: int) -> bool:
+        """Whether a call of ``fn`` on ``nbytes`` comes here (every rank answers alike)."""
+        return nbytes >= self.limits[fn]
+
+    def issue(self, op: SharedOp) -> SharedOp:
+        """Queue ``op`` behind the group's earlier operations and start it (without waiting)."""
+        op.base = self.chunks
+        self.chunks += op.nchunks
+        self.queue.append(op)
+        op.Test()
+        return op
+
+    def all_reduce(self, x: np.ndarray, r: Reducer) -> SharedOp:
+        return self.issue(_AllReduce(self, x.reshape(-1), r, None))
+
+    def reduce(self, x: np.ndarray, r: Reducer, root: int) -> SharedOp:
+        return self.issue(_AllReduce(self, x.reshape(-1), r, root))
+
+    def broadcast(self, x: np.ndarray, root: int) -> SharedOp:
+        return self.issue(_Broadcast(self, x.reshape(-1), root))
+
+    def all_gather(self, out: np.ndarray, inp: np.ndarray | None) -> SharedOp:
+        return self.issue(_AllGather(self, out.reshape(-1), inp))
+
+    def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, r: Reducer) -> SharedOp:
+        return self.issue(_ReduceScatter(self, out.reshape(-1), inp.reshape(-1), r))
+
+
+def _create(name: str, nbytes: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    except OSError:
+        _unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _attach(name: str, nbytes: int) -> mmap.mmap:
+    fd = _posixshmem.shm_open(name, os.O_RDWR, 0o600)
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink(name)
+    except OSError:
+        pass
+
+
+class SharedOp:
+    """One collective on a group's shared segment, as a request: ``Test()`` makes progress, never waits.
+
+    Chunk ``g`` (numbered across the group's operations) goes through three phases on each rank,
+    each announced by a counter: *deposit* (into slot ``g % 2``, once every rank has collected
+    chunk ``g - 2`` from it), *combine* (once every rank has deposited ``g``), *collect* (once every
+    rank has combined ``g``). Subclasses say what each phase does; a phase may do nothing.
+    """
+
+    __slots__ = ("path", "base", "nchunks", "a", "b", "c", "done")
+
+    def __init__(self, path: SharedPath, nchunks: int) -> None:
+        self.path = path
+        self.base = 0
+        self.nchunks = nchunks
+        self.a = self.b = self.c = 0  # chunks deposited, combined, collected here
+        self.done = False
+
+    def Test(self, *_: Any) -> bool:  # noqa: N802 - MPI's request method, which Work and poll call
+        """Advance the group's queue up to this operation; return True once it is complete."""
+        if self.done:
+            return True
+        queue = self.path.queue
+        while queue:
+            head = queue[0]
+            if not head._advance():
+                return False
+            queue.popleft()
+            if head is self:
+                return True
+        return self.done  # pragma: no cover - an operation is queued until it completes
+
+    def _advance(self) -> bool:
+        path = self.path
+        n, per, mine, base, count = path.size, path.per, path.mine, path.base, self.nchunks
+        a, b, c, first = self.a, self.b, self.c, self.base
+        while True:
+            moved = False
+            if a < count and a - c < 2 and _least(base + _COLLECTED, n, per) >= first + a - 1:
+                self._deposit(a, (first + a) & 1)
+                a += 1
+                _publish(mine + _DEPOSITED, first + a)
+                moved = True
+            if b < a and _least(base + _DEPOSITED, n, per) >= first + b + 1:
+                self._combine(b, (first + b) & 1)
+                b += 1
+                _publish(mine + _COMBINED, first + b)
+                moved = True
+            if c < b and _least(base + _COMBINED, n, per) >= first + c + 1:
+                self._collect(c, (first + c) & 1)
+                c += 1
+                _publish(mine + _COLLECTED, first + c)
+                moved = True
+            if not moved:
+                break
+        self.a, self.b, self.c = a, b, c
+        if c == count:
+            self.done = True
+        return self.done
+
+    def _deposit(self, i: int, p: int) -> None:  # pragma: no cover - every subclass defines the three
+        raise NotImplementedError
+
+    def _combine(self, i: int, p: int) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _collect(self, i: int, p: int) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _bounds(m: int, n: int) -> list[int]:
+    """Where each of ``n`` ranks' segments of a chunk of ``m`` elements starts (and the end)."""
+    return [k * m // n for k in range(n + 1)]
+
+
+class _AllReduce(SharedOp):
+    """all_reduce, or reduce to ``root``: rank k reduces segment k of every chunk."""
+
+    __slots__ = ("x", "r", "root", "elems", "slots", "results")
+
+    def __init__(self, path: SharedPath, x: np.ndarray, r: Reducer, root: int | None) -> None:
+        self.elems = CHUNK // x.itemsize
+        super().__init__(path, -(-x.size // self.elems))
+        self.x, self.r, self.root = x, r, root
+        self.slots, self.results = path.views(x.dtype)
+
+    def _chunk(self, i: int) -> tuple[int, list[int]]:
+        lo = i * self.elems
+        return lo, _bounds(min(self.x.size - lo, self.elems), self.path.size)
+
+    def _deposit(self, i: int, p: int) -> None:
+        lo, b = self._chunk(i)
+        me, x, slot, r = self.path.rank, self.x, self.slots[self.path.rank][p], self.r
+        for k in range(self.path.size):
+            if k != me or not r.own_in_place:
+                r.deposit(slot[b[k] : b[k + 1]], x[lo + b[k] : lo + b[k + 1]])
+
+    def _combine(self, i: int, p: int) -> None:
+        lo, b = self._chunk(i)
+        me, x, r = self.path.rank, self.x, self.r
+        s, e = b[me], b[me + 1]
+        own = r.own_in_place
+        sources = [x[lo + s : lo + e] if k == me and own else self.slots[k][p][s:e] for k in range(self.path.size)]
+        result = self.results[me][p][: e - s]
+        r.reduce(result, sources)
+        if self.root is None or self.root == me:
+            np.copyto(x[lo + s : lo + e], result)
+
+    def _collect(self, i: int, p: int) -> None:
+        me = self.path.rank
+        if self.root is not None and self.root != me:
+            return
+        lo, b = self._chunk(i)
+        x = self.x
+        for k in range(self.path.size):
+            if k != me:
+                np.copyto(x[lo + b[k] : lo + b[k + 1]], self.results[k][p][: b[k + 1] - b[k]])
+
+
+class _Broadcast(SharedOp):
+    """broadcast: the source deposits each chunk, the others copy it out."""
+
+    __slots__ = ("x", "root", "elems", "slots")
+
+    def __init__(self, path: SharedPath, x: np.ndarray, root: int) -> None:
+        self.elems = CHUNK // x.itemsize
+        super().__init__(path, -(-x.size // self.elems))
+        self.x, self.root = x, root
+        self.slots = path.views(x.dtype)[0]
+
+    def _deposit(self, i: int, p: int) -> None:
+        if self.path.rank == self.root:
+            lo = i * self.elems
+            hi = min(self.x.size, lo + self.elems)
+            np.copyto(self.slots[self.root][p][: hi - lo], self.x[lo:hi])
+
+    def _combine(self, i: int, p: int) -> None:
+        if self.path.rank != self.root:
+            lo = i * self.elems
+            hi = min(self.x.size, lo + self.elems)
+            np.copyto(self.x[lo:hi], self.slots[self.root][p][: hi - lo])
+
+    def _collect(self, i: int, p: int) -> None:
+        pass
+
+
+class _AllGather(SharedOp):
+    """all_gather_into_tensor: each rank deposits its input's chunk, every rank copies every one out.
+
+    ``inp`` is None where the input already is this rank's block of ``out`` (in place).
+    """
+
+    __slots__ = ("out", "inp", "m", "elems", "slots", "in_place")
+
+    def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray | None) -> None:
+        self.in_place = inp is None
+        self.m = out.size // path.size
+        self.inp = out[path.rank * self.m : (path.rank + 1) * self.m] if inp is None else inp.reshape(-1)
+        self.elems = CHUNK // out.itemsize
+        super().__init__(path, -(-self.m // self.elems))
+        self.out = out
+        self.slots = path.views(out.dtype)[0]
+
+    def _deposit(self, i: int, p: int) -> None:
+        lo = i * self.elems
+        hi = min(self.m, lo + self.elems)
+        np.copyto(self.slots[self.path.rank][p][: hi - lo], self.inp[lo:hi])
+
+    def _combine(self, i: int, p: int) -> None:
+        lo = i * self.elems
+        hi = min(self.m, lo + self.elems)
+        me, m, out = self.path.rank, self.m, self.out
+        for k in range(self.path.size):
+            dst = out[k * m + lo : k * m + hi]
+            if k != me:
+                np.copyto(dst, self.slots[k][p][: hi - lo])
+            elif not self.in_place:
+                np.copyto(dst, self.inp[lo:hi])
+
+    def _collect(self, i: int, p: int) -> None:
+        pass
+
+
+class _ReduceScatter(SharedOp):
+    """reduce_scatter_tensor: rank k reduces block k; a chunk is one piece of every block."""
+
+    __slots__ = ("out", "inp", "r", "m", "piece", "slots")
+
+    def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray, r: Reducer) -> None:
+        self.m = out.size
+        self.piece = CHUNK // out.itemsize // path.size
+        super().__init__(path, -(-self.m // self.piece))
+        self.out, self.inp, self.r = out, inp, r
+        self.slots = path.views(out.dtype)[0]
+
+    def _deposit(self, i: int, p: int) -> None:
+        lo = i * self.piece
+        hi = min(self.m, lo + self.piece)
+        me, m, q, slot, r = self.path.rank, self.m, self.piece, self.slots[self.path.rank][p], self.r
+        for k in range(self.path.size):
+            if k != me or not r.own_in_place:
+                r.deposit(slot[k * q : k * q + hi - lo], self.inp[k * m + lo : k * m + hi])
+
+    def _combine(self, i: int, p: int) -> None:
+        lo = i * self.piece
+        hi = min(self.m, lo + self.piece)
+        me, m, q, r = self.path.rank, self.m, self.piece, self.r
+        own = r.own_in_place
+        sources = [
+            self.inp[me * m + lo : me * m + hi] if k == me and own else self.slots[k][p][me * q : me * q + hi - lo]
+            for k in range(self.path.size)
+        ]
+        r.reduce(self.out[lo:hi], sources)
+
+    def _collect(self, i: int, p: int) -> None:
+        pass
