@@ -223,10 +223,10 @@ class Reducer:
 class SharedPath:
     """One group's shared segment: the ranks' regions, their counters, and the queue of operations."""
 
-    def __init__(self, rank: int, size: int, mem: mmap.mmap, limits: dict[str, int]) -> None:
+    def __init__(self, rank: int, size: int, mem: mmap.mmap, limits: dict[str, shm_tuning.Range]) -> None:
         self.rank, self.size = rank, size
-        self.limits = limits  # bytes from which each collective comes here (agreed by every rank)
-        self.smallest = min(limits.values())
+        self.limits = limits  # the sizes (from, up to) at which each collective comes here (agreed by every rank)
+        self.smallest = min(low for low, _ in limits.values())
         self.result_bytes = (CHUNK // size + 16 + 63) & ~63
         self.per = _HEADER + 2 * CHUNK + 2 * self.result_bytes  # bytes of one rank's region
         self.mem = mem
@@ -245,7 +245,7 @@ class SharedPath:
 
         Called by every rank in the same call (the first of at least ``SETUP_FLOOR`` bytes). One
         nonblocking MPI_Iallreduce, polled within the group's timeout, carries each rank's
-        consent, its node's key and its thresholds, and rank 0's segment name; a rank that does
+        consent, its node's key and its size ranges, and rank 0's segment name; a rank that does
         not come makes the call time out as any collective would. Returns None where the path is
         off (a rank refuses, the ranks span nodes, one rank).
         """
@@ -263,10 +263,8 @@ class SharedPath:
             except OSError:
                 willing, name = False, ""
         key = _node_key()
-        mine = np.array(
-            [-int(willing), key, -key, os.getpid() if name else 0, nonce, *(limits[c] for c in shm_tuning.COLLECTIVES)],
-            np.int64,
-        )
+        ranges = [v for c in shm_tuning.COLLECTIVES for v in (limits[c][0], -limits[c][1])]  # MAX of lows, MIN of highs
+        mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *ranges], np.int64)
         agreed = np.zeros_like(mine)
         try:
             req = comm.Iallreduce(mine, agreed, MPI.MAX)
@@ -292,7 +290,8 @@ class SharedPath:
                 f"{fn}: rank {rank} of group {backend.group_name or 'default'} could not map the group's shared "
                 f"memory {name} ({exc}); set MPIDIST_SHM=0 to use MPI's calls only"
             ) from exc
-        limits = dict(zip(shm_tuning.COLLECTIVES, (int(v) for v in agreed[5:])))
+        ends = [int(v) for v in agreed[5:]]
+        limits = {c: (ends[2 * i], -ends[2 * i + 1]) for i, c in enumerate(shm_tuning.COLLECTIVES)}
         path = cls(rank, size, mem, limits)
         _publish(path.mine + _ATTACHED, 1)
         if rank == 0:  # every rank has mapped it (or the wait ran out): the name can go
@@ -333,7 +332,8 @@ class SharedPath:
 
     def takes(self, fn: str, nbytes: int) -> bool:
         """Whether a call of ``fn`` on ``nbytes`` comes here (every rank answers alike)."""
-        return nbytes >= self.limits[fn]
+        low, high = self.limits[fn]
+        return low <= nbytes <= high
 
     def issue(self, op: SharedOp) -> SharedOp:
         """Queue ``op`` behind the group's earlier operations and start it (without waiting)."""
@@ -391,8 +391,10 @@ class SharedOp:
 
     Chunk ``g`` (numbered across the group's operations) goes through three phases on each rank,
     each announced by a counter: *deposit* (into slot ``g % 2``, once every rank has collected
-    chunk ``g - 2`` from it), *combine* (once every rank has deposited ``g``), *collect* (once every
-    rank has combined ``g``). Subclasses say what each phase does; a phase may do nothing.
+    chunk ``g - 2`` from it), *combine* (once every rank has deposited ``g``, or the one rank whose
+    deposit it reads: broadcast's source), *collect* (once every rank has combined ``g``; where an
+    operation has no collect phase its combine ends the chunk). Subclasses say what each phase
+    does; a phase may do nothing, but every rank raises every counter for every chunk.
     """
 
     __slots__ = ("path", "base", "nchunks", "a", "b", "c", "done")
@@ -418,10 +420,22 @@ class SharedOp:
                 return True
         return self.done  # pragma: no cover - an operation is queued until it completes
 
+    #: whether the operation has a collect phase (all_reduce, reduce); without one, a rank's combine ends
+    #: its chunk and the wait for every rank's combine is skipped
+    collects = True
+
+    def _gate(self) -> int:
+        """The address of the deposit counters a combine waits for, and (in ``_gate_count``) how many."""
+        return self.path.base + _DEPOSITED
+
+    _gate_count = -1  # every rank's; a subclass waiting for one rank's deposit sets 1 (and _gate)
+
     def _advance(self) -> bool:
         path = self.path
         n, per, mine, base, count = path.size, path.per, path.mine, path.base, self.nchunks
         a, b, c, first = self.a, self.b, self.c, self.base
+        gate, gates = self._gate(), (n if self._gate_count < 0 else self._gate_count)
+        collects = self.collects
         while True:
             moved = False
             if a < count and a - c < 2 and _least(base + _COLLECTED, n, per) >= first + a - 1:
@@ -429,10 +443,13 @@ class SharedOp:
                 a += 1
                 _publish(mine + _DEPOSITED, first + a)
                 moved = True
-            if b < a and _least(base + _DEPOSITED, n, per) >= first + b + 1:
+            if b < a and _least(gate, gates, per) >= first + b + 1:
                 self._combine(b, (first + b) & 1)
                 b += 1
                 _publish(mine + _COMBINED, first + b)
+                if not collects:
+                    c = b
+                    _publish(mine + _COLLECTED, first + c)
                 moved = True
             if c < b and _least(base + _COMBINED, n, per) >= first + c + 1:
                 self._collect(c, (first + c) & 1)
@@ -506,9 +523,14 @@ class _AllReduce(SharedOp):
 
 
 class _Broadcast(SharedOp):
-    """broadcast: the source deposits each chunk, the others copy it out."""
+    """broadcast: the source deposits each chunk, the others copy it out as soon as the source's is there."""
 
     __slots__ = ("x", "root", "elems", "slots")
+    collects = False
+    _gate_count = 1
+
+    def _gate(self) -> int:
+        return self.path.base + self.root * self.path.per + _DEPOSITED
 
     def __init__(self, path: SharedPath, x: np.ndarray, root: int) -> None:
         self.elems = CHUNK // x.itemsize
@@ -539,6 +561,7 @@ class _AllGather(SharedOp):
     """
 
     __slots__ = ("out", "inp", "m", "elems", "slots", "in_place")
+    collects = False
 
     def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray | None) -> None:
         self.in_place = inp is None
@@ -573,6 +596,7 @@ class _ReduceScatter(SharedOp):
     """reduce_scatter_tensor: rank k reduces block k; a chunk is one piece of every block."""
 
     __slots__ = ("out", "inp", "r", "m", "piece", "slots")
+    collects = False
 
     def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray, r: Reducer) -> None:
         self.m = out.size

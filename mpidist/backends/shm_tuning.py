@@ -1,8 +1,10 @@
 """From which message size the MPI backend's shared-memory path (``shm.py``) takes a collective.
 
-A threshold is a number of bytes per collective and per number of ranks on the
-node; a call whose array is at least that large goes through shared memory, a
-smaller one stays with MPI's own call. The array measured is the one every rank
+A threshold is a range of sizes in bytes, ``(from, up to)``, per collective and per
+number of ranks on the node; a call whose array is in it goes through shared memory,
+any other stays with MPI's own call (``up to`` is :data:`NEVER` where shared memory
+wins at every larger size; it is finite where, beyond cache sizes, both paths copy
+the same bytes and MPI's is as fast). The array measured is the one every rank
 passes alike: all_reduce's, broadcast's and reduce's array, all_gather_into_tensor's
 output, reduce_scatter_tensor's input.
 
@@ -14,17 +16,18 @@ Where a threshold comes from (a later source wins):
    (:func:`tune_file`: ``MPIDIST_SHM_TUNE_FILE``, else
    ``~/.cache/mpidist/shm-thresholds.json``); a table written for another MPI
    library is ignored;
-3. ``MPIDIST_SHM_THRESHOLDS``, e.g. ``all_reduce=256K,broadcast=off,reduce=1M``.
+3. ``MPIDIST_SHM_THRESHOLDS``, e.g. ``all_reduce=256K,broadcast=off,all_gather_into_tensor=128K-4M``
+   (a size alone means no upper end).
 
 ``MPIDIST_SHM=0`` turns the path off. The ranks of a group agree when the path is
 set up (``shm.SharedPath.setup``): it is used only where every rank allows it,
-from the largest of their thresholds, so ranks with different settings never
-take different paths.
+from the largest of their lower ends up to the smallest of their upper ends, so
+ranks with different settings never take different paths.
 
 Example::
 
     >>> thresholds(2)["all_reduce"]
-    65536
+    (131072, 4611686018427387904)
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from typing import Any
 from .._validate import env_flag
 
 __all__ = [
-    "COLLECTIVES", "DEFAULTS", "NEVER", "SETUP_FLOOR", "thresholds", "enabled", "tune_file", "read_table",
-    "write_table", "parse_size",
+    "COLLECTIVES", "DEFAULTS", "NEVER", "SETUP_FLOOR", "Range", "thresholds", "enabled", "tune_file", "read_table",
+    "write_table", "parse_size", "parse_range",
 ]  # fmt: skip
 
 #: the collectives the shared-memory path runs, in the order of the set-up agreement
@@ -49,15 +52,20 @@ NEVER = 1 << 62
 #: (a size every rank passes alike, so every rank sets up in the same call).
 SETUP_FLOOR = 16 << 10
 
-#: Bytes from which shared memory wins, by collective and ranks on the node (a count not listed takes
-#: the nearest one below). Measured with ``python -m mpidist.bench --tune`` on the 2-core development
-#: machine (MPICH 5 wheel): see docs/performance.md.
-DEFAULTS: dict[str, dict[int, int]] = {
-    "all_reduce": {2: 64 << 10, 4: 64 << 10},
-    "broadcast": {2: 256 << 10, 4: 256 << 10},
-    "reduce": {2: 256 << 10, 4: 256 << 10},
-    "all_gather_into_tensor": {2: 256 << 10, 4: 256 << 10},
-    "reduce_scatter_tensor": {2: 256 << 10, 4: 256 << 10},
+#: a range of message sizes in bytes: (from, up to), both included
+Range = tuple[int, int]
+
+#: Where shared memory wins, by collective and ranks on the node (a count not listed takes the nearest
+#: one below). Measured with ``python -m mpidist.bench --tune`` on the 2-core development machine (MPICH 5
+#: wheel): the 2-rank ranges with a core per rank, the 3-rank ones from 4 ranks on the 2 cores
+#: (oversubscribed, where waiting for a descheduled rank costs most: the ranges are narrow). Run
+#: ``--tune`` on your nodes for theirs; see docs/performance.md.
+DEFAULTS: dict[str, dict[int, Range]] = {
+    "all_reduce": {2: (128 << 10, NEVER), 3: (128 << 10, 2 << 20)},
+    "broadcast": {2: (512 << 10, NEVER), 3: (NEVER, NEVER)},
+    "reduce": {2: (64 << 10, NEVER), 3: (64 << 10, NEVER)},
+    "all_gather_into_tensor": {2: (256 << 10, 4 << 20), 3: (64 << 10, 4 << 20)},
+    "reduce_scatter_tensor": {2: (64 << 10, NEVER), 3: (64 << 10, 256 << 10)},
 }
 
 ENV_SWITCH = "MPIDIST_SHM"
@@ -72,19 +80,26 @@ def enabled() -> bool:
     return bool(env_flag(ENV_SWITCH, default=True))
 
 
-def parse_size(text: str, where: str) -> int:
-    """``"256K"``, ``"4M"``, ``"65536"`` or ``"off"`` as bytes (``off``: :data:`NEVER`); ``where`` names the source."""
+def parse_range(text: str, where: str) -> Range:
+    """``"256K"`` (no upper end), ``"128K-4M"`` or ``"off"`` as a :data:`Range`; ``where`` names the source."""
     word = text.strip().lower()
     if word in ("off", "never", "none"):
-        return NEVER
+        return (NEVER, NEVER)
+    low, dash, high = word.partition("-")
+    return (parse_size(low, where), parse_size(high, where) if dash else NEVER)
+
+
+def parse_size(text: str, where: str) -> int:
+    """``"256K"``, ``"4M"`` or ``"65536"`` as bytes; ``where`` names the source in the ValueError."""
+    word = text.strip().lower()
     digits = word.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = word[len(digits) :]
     if not digits.isdigit() or unit not in _UNITS:
-        raise ValueError(f"{where}: {text!r} is not a size: use bytes such as 65536, 256K or 4M, or off")
+        raise ValueError(f"{where}: {text!r} is not a size: use bytes such as 65536, 256K or 4M, a range 128K-4M, or off")
     return int(digits) * _UNITS[unit]
 
 
-def _for_ranks(by_ranks: dict[int, int], ranks: int) -> int:
+def _for_ranks(by_ranks: dict[int, Range], ranks: int) -> Range:
     """The entry for ``ranks`` ranks on the node: the nearest listed count at or below it (else the smallest)."""
     below = [n for n in by_ranks if n <= ranks]
     return by_ranks[max(below) if below else min(by_ranks)]
@@ -98,7 +113,7 @@ def tune_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpidist" / "shm-thresholds.json"
 
 
-def read_table(library: str, path: Path | None = None) -> dict[str, dict[int, int]]:
+def read_table(library: str, path: Path | None = None) -> dict[str, dict[int, Range]]:
     """The tuned thresholds for the MPI library ``library`` ({} if there are none, or they are for another)."""
     path = tune_file() if path is None else path
     try:
@@ -107,27 +122,34 @@ def read_table(library: str, path: Path | None = None) -> dict[str, dict[int, in
         return {}
     if not isinstance(data, dict) or data.get("library") != library or not isinstance(data.get("thresholds"), dict):
         return {}
-    table: dict[str, dict[int, int]] = {}
+    table: dict[str, dict[int, Range]] = {}
     for name, by_ranks in data["thresholds"].items():
         if name in COLLECTIVES and isinstance(by_ranks, dict):
-            table[name] = {int(n): int(v) for n, v in by_ranks.items() if str(n).isdigit() and isinstance(v, int)}
+            table[name] = {
+                int(n): (int(v[0]), int(v[1]))
+                for n, v in by_ranks.items()
+                if str(n).isdigit() and isinstance(v, list) and len(v) == 2 and all(isinstance(b, int) for b in v)
+            }
     return table
 
 
-def write_table(library: str, table: dict[str, dict[int, int]], path: Path | None = None) -> Path:
+def write_table(library: str, table: dict[str, dict[int, Range]], path: Path | None = None) -> Path:
     """Merge ``table`` into the tuned thresholds of ``library`` (other rank counts kept); return the file."""
     path = tune_file() if path is None else path
     merged = read_table(library, path)
     for name, by_ranks in table.items():
         merged.setdefault(name, {}).update(by_ranks)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"library": library, "thresholds": {k: {str(n): v for n, v in sorted(d.items())} for k, d in merged.items()}}
+    body = {
+        "library": library,
+        "thresholds": {k: {str(n): list(v) for n, v in sorted(d.items())} for k, d in merged.items()},
+    }
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
 
 
-def thresholds(ranks: int, library: str = "") -> dict[str, int]:
-    """Bytes from which each collective takes shared memory among ``ranks`` ranks of a node, for this process."""
+def thresholds(ranks: int, library: str = "") -> dict[str, Range]:
+    """The sizes at which each collective takes shared memory among ``ranks`` ranks of a node, for this process."""
     tuned = read_table(library) if library else {}
     out = {}
     for name in COLLECTIVES:
@@ -143,5 +165,5 @@ def thresholds(ranks: int, library: str = "") -> dict[str, int]:
                 f"environment variable {ENV_THRESHOLDS}={text!r}: {item!r} is not collective=size "
                 f"(collectives: {', '.join(COLLECTIVES)})"
             )
-        out[name.strip()] = parse_size(size, f"environment variable {ENV_THRESHOLDS}")
-    return {name: max(value, SETUP_FLOOR) for name, value in out.items()}
+        out[name.strip()] = parse_range(size, f"environment variable {ENV_THRESHOLDS}")
+    return {name: (max(low, SETUP_FLOOR), high) for name, (low, high) in out.items()}

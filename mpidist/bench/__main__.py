@@ -7,6 +7,7 @@
     mpiexec -n 2 mpidist-bench -c all_reduce -d float32,float16,bfloat16 -b 64K -e 64M -f 64   # dtypes side by side
     mpiexec -n 8 mpidist-bench --device cuda --backend nccl       # cupy arrays, one GPU per rank
     mpiexec -n 2 python -m mpidist.bench --torch -c all_reduce -e 4K   # torch CPU tensors
+    mpiexec -n 2 python -m mpidist.bench --tune                   # shared-memory thresholds (bench/tune.py)
 
 For each collective and size it prints the size S and count, then for mpidist and
 for raw mpi4py (the blocking call on a duplicate of COMM_WORLD, or with ``--raw
@@ -163,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="verify each size once against numpy (nccl-tests' -c)")
     p.add_argument("--json", metavar="FILE", help="write every row to FILE (rank 0)")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png (rank 0; needs matplotlib)")
+    p.add_argument(
+        "--tune", action="store_true",
+        help="measure from which size the shared-memory path beats MPI's calls (-b/-e: default 16K..64M, x2) "
+        "and write the thresholds for this MPI library (see docs/performance.md)",
+    )  # fmt: skip
     return p
 
 
@@ -441,6 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = dist.get_world_size()
         if args.root >= n:
             parser.error(f"argument -r/--root: must be below the number of ranks ({n}), got {args.root}")
+        if args.tune:
+            from .tune import tune
+
+            lo = max(args.minbytes, 16 << 10)
+            hi = args.maxbytes if args.maxbytes != 16 << 20 else 64 << 20
+            return tune(dist, sweep(lo, hi, 2), args.trials, sys.stdout)
         status, _ = run_bench(args, dist, arrays)
         return status
     finally:

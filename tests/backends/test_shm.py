@@ -117,7 +117,8 @@ def test_the_path_is_set_up_once_and_leaves_no_name_behind(groups):
     c.true("the group with MPIDIST_SHM=0 has a shared-memory path", backend_of(off).shared_memory() is None)
     path = backend_of(on).shared_memory()
     if path is not None:
-        c.equal("agreed thresholds", path.limits, {k: shm_tuning.SETUP_FLOOR for k in shm_tuning.COLLECTIVES})
+        every = {k: (shm_tuning.SETUP_FLOOR, shm_tuning.NEVER) for k in shm_tuning.COLLECTIVES}
+        c.equal("agreed thresholds", path.limits, every)
     pid0 = MPI.COMM_WORLD.bcast(os.getpid(), root=0)
     left = {s for s in _segments() if s.startswith(f"mpidist-{pid0}-")}
     c.true(f"names left in /dev/shm: {left}", not left)
@@ -348,14 +349,18 @@ def test_one_rank_never_sets_the_path_up():
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_with_different_thresholds_agree_on_the_largest():
-    """Each rank sets another threshold: the group takes the largest; a rank that turns the path off wins."""
-    mine = shm_tuning.SETUP_FLOOR * (1 + RANK)
-    g = _group_with({shm_tuning.ENV_THRESHOLDS: f"all_reduce={mine}"})
+    """Each rank sets another range: the group takes the largest lower and the smallest upper end; a rank that
+    turns the path off wins."""
+    low, high = shm_tuning.SETUP_FLOOR * (1 + RANK), (8 << 20) * (1 + RANK)
+    g = _group_with({shm_tuning.ENV_THRESHOLDS: f"all_reduce={low}-{high}"})
     c = Checks()
     path = backend_of(g).shared_memory()
     c.true("no path", path is not None)
     if path is not None:
-        c.equal("agreed all_reduce threshold", path.limits["all_reduce"], shm_tuning.SETUP_FLOOR * SIZE)
+        c.equal("agreed all_reduce range", path.limits["all_reduce"], (shm_tuning.SETUP_FLOOR * SIZE, 8 << 20))
+        before = path.chunks
+        dist.all_reduce(np.ones((8 << 20) // 4 + 1, np.float32), group=g)
+        c.equal("a call above the range took shared memory", path.chunks, before)
     off = _group_with({shm_tuning.ENV_SWITCH: "0" if RANK == SIZE - 1 else "1"})
     c.true("one rank's MPIDIST_SHM=0 left the path on", backend_of(off).shared_memory() is None)
     c.done()
@@ -368,18 +373,27 @@ def test_thresholds_from_defaults_table_and_environment(tmp_path, monkeypatch):
     """Defaults, the tune table (only for its own library), the variable; bad words name the variable."""
     monkeypatch.setenv(shm_tuning.ENV_TUNE_FILE, str(tmp_path / "t.json"))
     monkeypatch.delenv(shm_tuning.ENV_THRESHOLDS, raising=False)
+    never = shm_tuning.NEVER
     assert shm_tuning.thresholds(2, "lib A")["all_reduce"] == shm_tuning.DEFAULTS["all_reduce"][2]
-    shm_tuning.write_table("lib A", {"all_reduce": {2: 1 << 20, 4: 2 << 20}})
-    assert shm_tuning.thresholds(2, "lib A")["all_reduce"] == 1 << 20
-    assert shm_tuning.thresholds(8, "lib A")["all_reduce"] == 2 << 20  # the nearest count below
+    shm_tuning.write_table("lib A", {"all_reduce": {2: (1 << 20, never), 4: (2 << 20, 8 << 20)}})
+    assert shm_tuning.thresholds(2, "lib A")["all_reduce"] == (1 << 20, never)
+    assert shm_tuning.thresholds(8, "lib A")["all_reduce"] == (2 << 20, 8 << 20)  # the nearest count below
     assert shm_tuning.thresholds(2, "lib B")["all_reduce"] == shm_tuning.DEFAULTS["all_reduce"][2]
-    monkeypatch.setenv(shm_tuning.ENV_THRESHOLDS, "all_reduce=4M, broadcast=off,reduce=1")
+    monkeypatch.setenv(shm_tuning.ENV_THRESHOLDS, "all_reduce=4M, broadcast=off,reduce=1,all_gather_into_tensor=1K-2M")
     t = shm_tuning.thresholds(2, "lib A")
-    assert (t["all_reduce"], t["broadcast"], t["reduce"]) == (4 << 20, shm_tuning.NEVER, shm_tuning.SETUP_FLOOR)
-    for bad in ("all_reduce", "allreduce=4M", "all_reduce=4Q", "all_reduce=-1"):
+    assert t["all_reduce"] == (4 << 20, never) and t["broadcast"] == (never, never)
+    assert t["reduce"] == (shm_tuning.SETUP_FLOOR, never)
+    assert t["all_gather_into_tensor"] == (shm_tuning.SETUP_FLOOR, 2 << 20)
+    for bad in ("all_reduce", "allreduce=4M", "all_reduce=4Q", "all_reduce=-1", "all_reduce=1M-"):
         monkeypatch.setenv(shm_tuning.ENV_THRESHOLDS, bad)
         with pytest.raises(ValueError, match=shm_tuning.ENV_THRESHOLDS):
             shm_tuning.thresholds(2, "lib A")
+    from mpidist.bench.tune import best_range
+
+    k = 1 << 10
+    assert best_range([(16 * k, 1.2), (32 * k, 0.9), (64 * k, 0.8), (128 * k, 1.1), (256 * k, 0.9)]) == (32 * k, 64 * k)
+    assert best_range([(16 * k, 1.2), (32 * k, 0.9), (64 * k, 0.8)]) == (32 * k, never)
+    assert best_range([(16 * k, 1.2), (32 * k, 1.0)]) == (never, never)
     monkeypatch.setenv(shm_tuning.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match=shm_tuning.ENV_SWITCH):
         shm_tuning.enabled()
