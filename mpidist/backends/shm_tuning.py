@@ -61,8 +61,8 @@ Range = tuple[int, int]
 #: (oversubscribed, where waiting for a descheduled rank costs most: the ranges are narrow). Run
 #: ``--tune`` on your nodes for theirs; see docs/performance.md.
 DEFAULTS: dict[str, dict[int, Range]] = {
-    "all_reduce": {2: (128 << 10, NEVER), 3: (128 << 10, 2 << 20)},
-    "broadcast": {2: (512 << 10, NEVER), 3: (NEVER, NEVER)},
+    "all_reduce": {2: (128 << 10, NEVER), 3: (64 << 10, 2 << 20)},
+    "broadcast": {2: (512 << 10, NEVER), 3: (256 << 10, NEVER)},
     "reduce": {2: (64 << 10, NEVER), 3: (64 << 10, NEVER)},
     "all_gather_into_tensor": {2: (256 << 10, 4 << 20), 3: (64 << 10, 4 << 20)},
     "reduce_scatter_tensor": {2: (64 << 10, NEVER), 3: (64 << 10, 256 << 10)},
