@@ -356,3 +356,31 @@ def test_the_command_alone_imports_neither_itself_by_default_nor_torch(tmp_path)
     proc = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
     assert "1 ranks, backend mpi" in proc.stdout
+
+
+def test_tune_writes_the_ranges_it_prints(tmp_path, monkeypatch, capsys, checks):
+    """--tune on two sizes: a line per collective, and (rank 0) the table for this library and size."""
+    from mpidist.backends import shm, shm_tuning
+
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv(shm_tuning.ENV_TUNE_FILE, str(MPI.COMM_WORLD.bcast(str(path), root=0)))
+    status = main(["--tune", "-b", "16K", "-e", "32K", "--trials", "1"])
+    out = capsys.readouterr().out
+    if SIZE == 1 or shm.shm_status():
+        checks.equal("status without a shared-memory path", status, 1)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            checks.true(f"no word of why: {out!r}", "nothing to tune" in out)
+        checks.done()
+        return
+    checks.equal("status", status, 0)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        for name in shm_tuning.COLLECTIVES:
+            checks.true(f"no line for {name}: {out!r}", any(line.startswith(name) for line in out.splitlines()))
+        library = MPI.Get_library_version().splitlines()[0]
+        table = shm_tuning.read_table(library, path)
+        checks.equal("collectives in the table", sorted(table), sorted(shm_tuning.COLLECTIVES))
+        for name, by_ranks in table.items():
+            checks.equal(f"{name}: rank counts", list(by_ranks), [SIZE])
+            low, high = by_ranks[SIZE]
+            checks.true(f"{name}: range {low}-{high}", low == shm_tuning.NEVER or 16 << 10 <= low <= 32 << 10)
+    checks.done()
