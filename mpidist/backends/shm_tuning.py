@@ -56,18 +56,19 @@ SETUP_FLOOR = 16 << 10
 Range = tuple[int, int]
 
 #: Where shared memory wins, by collective and ranks on the node (a count not listed takes the nearest
-#: one below). Measured with ``python -m mpidist.bench --tune`` and ``python -m mpidist.bench`` on the
-#: 2-core development machine (MPICH 5 wheel): the 2-rank ranges with a core per rank, the 3-rank ones
-#: from 4 ranks on the 2 cores (oversubscribed, where waiting for a descheduled rank costs most). Beyond
-#: the cache, broadcast and all_gather_into_tensor copy each byte twice here where MPICH's single copy
-#: (process_vm_readv) copies it once: their ranges end there. Run ``--tune`` on your nodes for theirs;
-#: see docs/performance.md.
+#: one below). Measured with ``python -m mpidist.bench --tune`` and, launch after launch, with
+#: ``python -m mpidist.bench`` on the 2-core development machine (MPICH 5 wheel): the 2-rank ranges with a
+#: core per rank, the 3-rank ones from 4 ranks on the 2 cores. Only reduce won in every launch (0.06-0.40x
+#: raw MPI); all_reduce won in most (0.28-0.97x) and lost by up to 16% in some. broadcast,
+#: all_gather_into_tensor and reduce_scatter_tensor won by 1.5-5x in some launches and lost by 3-8x in
+#: others (docs/performance.md), so they are off unless ``--tune`` (or ``MPIDIST_SHM_THRESHOLDS``) turns
+#: them on for a machine where they win.
 DEFAULTS: dict[str, dict[int, Range]] = {
     "all_reduce": {2: (128 << 10, NEVER), 3: (64 << 10, 2 << 20)},
-    "broadcast": {2: (512 << 10, 4 << 20), 3: (256 << 10, 4 << 20)},
-    "reduce": {2: (64 << 10, NEVER), 3: (64 << 10, NEVER)},
-    "all_gather_into_tensor": {2: (256 << 10, 2 << 20), 3: (64 << 10, 4 << 20)},
-    "reduce_scatter_tensor": {2: (64 << 10, NEVER), 3: (64 << 10, 256 << 10)},
+    "broadcast": {2: (NEVER, NEVER)},
+    "reduce": {2: (64 << 10, NEVER)},
+    "all_gather_into_tensor": {2: (NEVER, NEVER)},
+    "reduce_scatter_tensor": {2: (NEVER, NEVER)},
 }
 
 ENV_SWITCH = "MPIDIST_SHM"
