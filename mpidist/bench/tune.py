@@ -27,18 +27,19 @@ from mpi4py import MPI
 from ..backends import shm_tuning
 from .timing import format_bytes, time_run
 
-__all__ = ["tune", "WIN"]
+__all__ = ["tune", "WIN", "best_range", "group_under"]
 
 #: a size counts as faster through shared memory at this median ratio (shared memory / MPI) or below
 WIN = 0.97
 
 
-def _group(dist: Any, env: dict[str, str]) -> Any:
-    """A group of the whole job whose shared-memory path is set up under ``env``."""
+def group_under(dist: Any, env: dict[str, str], **kwargs: Any) -> Any:
+    """A new group of the whole job (``new_group(**kwargs)``) whose shared-memory path is set up under the
+    environment variables ``env`` (restored afterwards); every rank calls it. The tests use it too."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        g = dist.new_group()
+        g = dist.new_group(**kwargs)
         dist.broadcast(np.zeros(shm_tuning.SETUP_FLOOR, np.uint8), src=0, group=g)  # sets the path up
     finally:
         for k, v in saved.items():
@@ -98,8 +99,8 @@ def tune(dist: Any, sizes: list[int], trials: int, out: TextIO) -> int:
     rank, n = comm.Get_rank(), comm.Get_size()
     say = (lambda text: print(text, file=out, flush=True)) if rank == 0 else (lambda text: None)
     every = ",".join(f"{c}={shm_tuning.SETUP_FLOOR}" for c in shm_tuning.COLLECTIVES)
-    on = _group(dist, {shm_tuning.ENV_THRESHOLDS: every})
-    off = _group(dist, {shm_tuning.ENV_SWITCH: "0"})
+    on = group_under(dist, {shm_tuning.ENV_THRESHOLDS: every})
+    off = group_under(dist, {shm_tuning.ENV_SWITCH: "0"})
     from ..testing import backend_of
 
     if backend_of(on).shared_memory() is None:

@@ -21,6 +21,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist import DistBackendError
 from mpidist.backends import shm, shm_tuning
+from mpidist.bench.tune import group_under
 from mpidist.reduce_op import OP_TABLE, RedOpType
 from mpidist.testing import backend_of
 
@@ -61,19 +62,7 @@ def _segments() -> set[str]:
 
 def _group_with(env: dict[str, str], **kw) -> dist.ProcessGroup:
     """A new group of the world whose shared-memory path is set up under ``env`` (on its first large call)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        g = dist.new_group(**kw)
-        x = np.ones(shm_tuning.SETUP_FLOOR, np.uint8)  # the first call of SETUP_FLOOR bytes sets it up
-        dist.broadcast(x, src=0, group=g)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return g
+    return group_under(dist, env, **kw)
 
 
 @pytest.fixture(scope="module")
