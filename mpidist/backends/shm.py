@@ -77,10 +77,10 @@ __all__ = ["SharedPath", "SharedOp", "Reducer", "CHUNK", "shm_status"]
 #: took 1.2x the time of 1 MiB ones, 2 MiB ones 0.95-1.05x; 1 MiB keeps the segment small)
 CHUNK = 1 << 20
 #: per rank: four counters a cache line apart (deposited, combined, collected, attached), then the slots and
-#: result areas, each starting half a page into a page. Large arrays start at (or a few bytes past) a page
-#: boundary; a copy between addresses a few hundred bytes apart modulo 4096 stalls on the CPU's
-#: false store-to-load dependencies ("4K aliasing"): measured on AMD EPYC, depositing 2 MiB from a
-#: huge-page-backed numpy array into slots 256 bytes into their pages took 0.93 ms instead of 0.07.
+#: result areas. Each rank's region is whole pages: with regions of other sizes one rank's counters shared a
+#: page (and lines nearby) with the other rank's result area, and depositing 2 MiB took 0.93 ms instead of
+#: 0.07 in 3 launches of 4 (AMD EPYC). Slots and result areas start half a page into a page, away from the
+#: page offsets large arrays have (0 to 64 bytes).
 _HEADER = 2048
 _PAGE = 4096
 #: A ufunc writing ``out`` while it reads a source that lies 1 to this many bytes before ``out`` modulo a page
