@@ -21,6 +21,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist import DistBackendError
 from mpidist.backends import shm, shm_tuning
+from mpidist.backends.mpi_types import type_table
 from mpidist.bench.tune import group_under
 from mpidist.reduce_op import OP_TABLE, RedOpType
 from mpidist.testing import backend_of
@@ -121,6 +122,10 @@ def test_reductions_match_numpy_and_mpi_bit_for_bit(groups, dtype):
     on, off = groups
     c = Checks()
     n_elems = ELEMS // dtype.itemsize + 3
+    # a 2-byte float that this MPI library cannot reduce, without mpidist's C ops (MPIDIST_C_EXTENSIONS=0):
+    # MPI's path reduces a float32 copy, and the shared-memory path leaves it there
+    entry = type_table()[dtype]
+    declines = entry.half is None and entry.wide is not None
     for salt, op in enumerate(_valid_ops(dtype)):
         inputs = inputs_of(SIZE, (n_elems,), dtype, salt)
         want = nccl_reference(inputs, op)  # complex AVG divides per component, as mpidist does everywhere
@@ -128,7 +133,8 @@ def test_reductions_match_numpy_and_mpi_bit_for_bit(groups, dtype):
         got = inputs[RANK].copy()
         dist.all_reduce(got, op=op, group=on)
         c.equal(f"all_reduce {op!r}", got, want)
-        c.true(f"all_reduce {op!r} did not take shared memory", _chunks(on) > before)
+        if not declines:
+            c.true(f"all_reduce {op!r} did not take shared memory", _chunks(on) > before)
         # NaN, signed zeros, infinities: the same bits as MPI's path (no numpy reference for NaN payloads)
         special = _special(rank_input(RANK, (n_elems,), dtype, salt), salt)
         a, b = special.copy(), special.copy()
