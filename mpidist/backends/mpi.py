@@ -106,6 +106,13 @@ def _vector(
     return [staging, counts, displs, BYTE], None, backs
 
 
+def _after_staging(staged: list[tuple[ndarray, ndarray]], backs: Any) -> Callable[[], None] | None:
+    """What completes a list collective: ``_vector``'s staging buffer is copied into the arrays MPI
+    was given first, and only then are those arrays written back into the caller's (non-contiguous)
+    outputs; the other order hands the caller the arrays' bytes from before the call."""
+    return then_write_back(None, staged + list(backs or []))
+
+
 def _complete(reqs: list[MPI.Request]) -> bool:
     """``MPI_Testall`` of requests left behind (dropped Works, timed-out calls), one request at a time.
 
@@ -530,8 +537,7 @@ class MPIBackend(BaseBackend):
             req = self.comm.Iallgatherv(smsg, rmsg)
         except MPI.Exception as exc:
             raise self._fail("all_gather", exc) from exc
-        backs = (backs or []) + staged
-        post = None if not backs else then_write_back(None, backs)
+        post = _after_staging(staged, backs)
         return self._done("all_gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def _own_block(self, inp: ndarray, mine: ndarray, addrs: list[int] | None, outs: Sequence[ndarray]) -> Any:
@@ -558,8 +564,7 @@ class MPIBackend(BaseBackend):
             req = self.comm.Igatherv(smsg, rmsg, root)
         except MPI.Exception as exc:
             raise self._fail("gather", exc) from exc
-        backs = (backs or []) + staged
-        post = None if not backs else then_write_back(None, backs)
+        post = _after_staging(staged, backs)
         return self._done("gather", req, post, (inp, outs, smsg, rmsg), async_op)
 
     def scatter(
@@ -621,8 +626,7 @@ class MPIBackend(BaseBackend):
             req = self.comm.Ialltoallv(smsg, rmsg)
         except MPI.Exception as exc:
             raise self._fail("all_to_all", exc) from exc
-        backs = (backs or []) + staged
-        post = None if not backs else then_write_back(None, backs)
+        post = _after_staging(staged, backs)
         return self._done("all_to_all", req, post, (ins, outs, smsg, rmsg), async_op)
 
     def gate(self, op: str) -> None:
