@@ -1,10 +1,19 @@
-"""The file format of ``FileStore``: a magic line, a header, then self-checking records.
+"""The file format of ``FileStore`` (a magic line, a header, self-checking records), and whose world a file is.
 
 Layout (format version 2)::
 
     b"mpidist-filestore-2\\n"
-    a HEADER record: key "", value JSON {"format", "world_size", "created", "host", "pid", "id"}
+    a HEADER record: key "", value JSON {"format", "world_size", "created", "host", "pid", "id"},
+        padded with spaces so that the magic and the header take HEADER_SIZE (512) bytes
     SET / APPEND / META records, in the order they were written
+
+``id`` is a random world id drawn by the store that creates the file. The META
+records hold integer counters: ``users``, ``joined`` and ``closed`` (stores) and
+one ``process/[host, boot id, pid namespace, pid, start time]`` counter per
+process of a fixed-size world (its open stores); see below for how they tell
+a file's world apart from another's. Files written before the header
+was padded and before the process counters (same format version) are still
+read; they are not checked for membership.
 
 A record is a 29-byte head, then the key (UTF-8; lone surrogates pass, as on
 the TCPStore wire) and the value. The head holds, little endian: the marker
@@ -26,6 +35,58 @@ incomplete or fails its check is damage. :func:`scan` sorts damage in two:
 
 A valid record that holds what no writer writes (a key that is not UTF-8, a
 counter that is not an integer, an unknown kind) raises :class:`LogError` too.
+
+Which world a file belongs to
+-----------------------------
+
+A store of a fixed-size world (``world_size > 0``) records its process in the
+file as a META counter ``process/<identity>`` holding how many stores that
+process has open. The identity is ``[host name, boot id, pid namespace, pid,
+start time]``: on the same host, boot and pid namespace, ``os.kill(pid, 0)``
+and the start time in ``/proc/<pid>/stat`` tell whether the process still
+runs (a pid reused by another process, or a zombie, counts as dead); on another
+host nothing can be told, and the process counts as running.
+
+The rule of ``FileStore``. The header holds a random world id drawn by the
+store that creates the file, and the ``world_size`` it was made for. A store
+of a fixed ``world_size`` that opens the file is refused with DistStoreError,
+before it reads or writes a key, when (:func:`judge_newcomer` decides the second to
+fourth for a process not recorded yet):
+
+* the file was made for another ``world_size``;
+* its process is not recorded yet and ``world_size`` processes are: the file
+  **belongs to another world** (another job uses it or left it behind);
+* its process is not recorded, and some recorded process died with stores open
+  while others still hold theirs, or cannot be told about (a job that crashed
+  in part);
+* the file's world is complete (``world_size`` stores joined) and some stores
+  closed: a crashed job's file, or a world that has started to leave;
+* the file holds only part of a header (**truncated header**: its creator died
+  while writing it, or it was cut): which world it belonged to cannot be told;
+  or the header is garbled (damage, another format).
+
+A file whose recorded processes with stores open all **died** (a job killed
+with SIGKILL, a node's processes lost: each dead by ``os.kill(pid, 0)`` and
+``/proc`` on this host) is **taken over**: the file is cut to nothing and
+started afresh with a new world id, with a warning, so a new job never reads
+the old job's keys or counts its arrivals. Processes on another host cannot be
+checked: they count as running, and such a file is refused (remove it).
+
+A store that finds the path **removed or replaced** under it (another file, or
+no file, at the path: its device and inode differ from the file it joined) or
+the header changed raises DistStoreError at its next operation, naming both
+world ids, since stores that open the path now no longer meet it.
+
+Limits (what the file cannot tell): a process that opens the path after its
+world finished and removed the file (a **late joiner**) finds no file, so it
+makes a new one, alone; nothing on disk says a world used the path, and a
+new job may rightly reuse it. Its ``get``/``wait`` then time out saying that
+only 1 of ``world_size`` ranks joined, and that the others may have finished
+before it came. Likewise, two worlds that start on one path at the same time
+are told apart only once ``world_size`` processes joined: the processes beyond
+that are refused, but one that came before may have read the other world's
+keys. Stores of ``world_size < 0`` join any file without these checks (as in
+torch, the file is then kept and reused). Give each job a path of its own.
 
 Example::
 
@@ -50,6 +111,7 @@ from typing import Any, Sequence
 __all__ = [
     "MAGIC",
     "VERSION",
+    "HEADER_SIZE",
     "SET",
     "APPEND",
     "META",
@@ -63,6 +125,13 @@ __all__ = [
     "read_header",
     "scan",
     "describe",
+    "Identity",
+    "this_process",
+    "process_key",
+    "parse_process_key",
+    "alive",
+    "judge_newcomer",
+    "show_process",
 ]
 
 #: the format version this module reads and writes
@@ -70,6 +139,8 @@ VERSION = 2
 #: the first bytes of every store file
 MAGIC = b"mpidist-filestore-%d\n" % VERSION
 _STEM = b"mpidist-filestore-"
+#: bytes of the magic and the header record of a file this module makes (the JSON is padded)
+HEADER_SIZE = 512
 #: the first bytes of every record
 MARK = b"\x1emdr"
 #: a record's head: marker, crc32, offset, kind, key length, value length
@@ -99,7 +170,12 @@ class OtherFormatError(Exception):
 
 
 class TornHeaderError(Exception):
-    """The file holds only the beginning of a header: its creator died while writing it."""
+    """The file holds only the first ``have`` of the ``need`` bytes of a header, and nothing after."""
+
+    def __init__(self, have: int, need: int) -> None:
+        super().__init__(f"truncated header: {have} of {need} bytes")
+        self.have = have
+        self.need = need
 
 
 def _crc(checked: bytes | memoryview, payload: bytes | memoryview) -> int:
@@ -127,7 +203,12 @@ def new_file(world_size: int) -> bytes:
         "pid": os.getpid(),
         "id": secrets.token_hex(8),  # tells this file from one made later at the same path
     }
-    return MAGIC + encode(len(MAGIC), [(HEADER, "", json.dumps(info).encode("utf-8"))])
+    value = json.dumps(info).encode("utf-8")
+    room = HEADER_SIZE - len(MAGIC) - HEAD.size
+    while len(value) > room:  # only a very long host name: shorten it
+        info["host"] = info["host"][: len(info["host"]) - (len(value) - room)]
+        value = json.dumps(info).encode("utf-8")
+    return MAGIC + encode(len(MAGIC), [(HEADER, "", value.ljust(room))])
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -145,19 +226,29 @@ def read_header(data: bytes) -> tuple[int, dict[str, Any]]:
     """
     if not data.startswith(MAGIC):
         if MAGIC.startswith(data):
-            raise TornHeaderError()
+            raise TornHeaderError(len(data), HEADER_SIZE)
         match = re.match(rb"mpidist-filestore-(\d{1,6})\n", data)
         raise OtherFormatError(int(match.group(1)) if match else None)
     at = len(MAGIC)
     parsed = _parse(data, at, 0)
     if isinstance(parsed, str):
         if _valid_after(data, at, 0) is None:
-            raise TornHeaderError()
+            need = HEADER_SIZE
+            if len(data) - at >= HEAD.size and data[at : at + 4] == MARK:
+                _, _, _, _, klen, vlen = HEAD.unpack_from(data, at)
+                need = max(at + HEAD.size + klen + vlen, len(data) + 1)
+            raise TornHeaderError(len(data), need)
         raise LogError(at, f"the file header is damaged ({parsed})")
     kind, key, value, end = parsed
     try:
         info = json.loads(value)
-        ok = kind == HEADER and not key and isinstance(info, dict) and isinstance(info.get("world_size"), int)
+        ok = (
+            kind == HEADER
+            and not key
+            and isinstance(info, dict)
+            and isinstance(info.get("world_size"), int)
+            and isinstance(info.get("id"), str)
+        )
     except ValueError:
         ok = False
     if not ok:
@@ -253,3 +344,113 @@ def _checked_value(kind: int, key: bytes, value: bytes, offset: int) -> bytes:
     if kind == HEADER:
         raise LogError(offset, "a second file header")
     raise LogError(offset, f"unknown record kind {kind} (written by another version of mpidist?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# which world a file belongs to: the processes recorded in it
+# ---------------------------------------------------------------------------------------------
+
+#: the META counters of processes start with this
+PREFIX = "process/"
+
+#: host name, boot id, pid namespace, pid, start time (clock ticks after boot; "" where unknown)
+Identity = tuple[str, str, str, int, str]
+
+_cached: dict[int, Identity] = {}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or [] where unknown."""
+    text = _read(f"/proc/{pid}/stat")
+    return text[text.rfind(")") + 1 :].split() if ")" in text else []
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def this_process() -> Identity:
+    """Return the identity of this process."""
+    pid = os.getpid()
+    if pid not in _cached:  # per pid: a forked child is another process
+        fields = _stat_fields(pid)
+        start = fields[19] if len(fields) > 19 else ""
+        boot = _read("/proc/sys/kernel/random/boot_id")
+        _cached[pid] = (socket.gethostname(), boot, _pid_namespace(), pid, start)
+    return _cached[pid]
+
+
+def process_key(who: Identity) -> str:
+    """Return the META key of process ``who``."""
+    return PREFIX + json.dumps(list(who))
+
+
+def parse_process_key(key: str) -> Identity | None:
+    """Return the identity in a META key, or None if the key is not a process counter."""
+    if not key.startswith(PREFIX):
+        return None
+    try:
+        host, boot, ns, pid, start = json.loads(key[len(PREFIX) :])
+    except (ValueError, TypeError):
+        return None
+    if not all(isinstance(x, str) for x in (host, boot, ns, start)) or not isinstance(pid, int):
+        return None
+    return host, boot, ns, pid, start
+
+
+def alive(who: Identity) -> bool | None:
+    """Return whether process ``who`` still runs: None where it cannot be told (another host)."""
+    host, boot, ns, pid, start = who
+    here = this_process()
+    if (host, boot, ns) != here[:3] or not boot or not ns:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
+    except OSError:
+        return None
+    fields = _stat_fields(pid)
+    if not fields:
+        return True
+    if fields[0] in ("Z", "X"):  # killed, not yet reaped by its parent
+        return False
+    return not start or len(fields) <= 19 or fields[19] == start
+
+
+def show_process(who: Identity) -> str:
+    """Say which process ``who`` is, for a message."""
+    host, _, _, pid, _ = who
+    return f"pid {pid} on {host}"
+
+
+def judge_newcomer(counts: dict[Identity, int], world_size: int) -> tuple[str, list[Identity], list[Identity]]:
+    """Decide about a process that is not in ``counts`` (the open stores of each recorded process).
+
+    Returns:
+        (verdict, crashed, running): verdict is "join", "take over" (a crashed
+        job's file), "broken" (some died with stores open, others run) or
+        "full" (``world_size`` processes are recorded already); crashed are the
+        processes that died with stores open, running those with stores open
+        that run or cannot be told about.
+    """
+    crashed = [p for p, n in counts.items() if n > 0 and alive(p) is False]
+    running = [p for p, n in counts.items() if n > 0 and p not in crashed]
+    if crashed:
+        return ("broken" if running else "take over"), crashed, running
+    if len(counts) >= world_size:
+        return "full", crashed, running
+    return "join", crashed, running

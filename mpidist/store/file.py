@@ -18,10 +18,14 @@ read, another format) raises DistStoreError naming the file and the byte.
 Each store registers as a user of the file when created and unregisters on
 ``close()`` (or when it is garbage collected, or at exit). With a fixed
 ``world_size``, the user that closes last, once ``world_size`` users have
-closed, removes the file, so a new store on the same path starts empty. The
-file records the ``world_size`` it was made for and how many stores joined,
-so a store of another world (another size, or one more than a world that has
-started to leave) is refused.
+closed, removes the file, so a new store on the same path starts empty.
+
+Which world a file belongs to: the header holds a random world id and the
+``world_size``; fixed-size stores record their processes. Another world's file,
+a truncated header, a file replaced under a running world are refused with
+DistStoreError; a file whose processes all died (a killed job) is started
+afresh. The rule, and what it cannot tell (a late joiner), are in
+``_filelog.py``.
 
 Example (``mpiexec -n 2``, every rank)::
 
@@ -127,19 +131,38 @@ class _FileState:
         self.tail_seen: tuple[int, bytes] = (0, b"")  # (file size, first bytes of the tail) when it was found
         self.data: dict[str, bytes] = {}
         self.meta: dict[str, int] = {}
+        self.inode: tuple[int, int] = (0, 0)  # (device, inode) of the file joined
+        self.counted = ""  # the META key of this process, when this store counts in it
+
+    @property
+    def world_id(self) -> str:
+        return str(self.info.get("id", "?"))
+
+    def members(self) -> dict[log.Identity, int]:
+        """The processes recorded in the file, with how many stores each has open."""
+        found = {}
+        for key, count in self.meta.items():
+            who = log.parse_process_key(key)
+            if who is not None:
+                found[who] = count
+        return found
 
     # ------------------------------------------------------------------ reading
 
     def join(self, fn: str) -> None:
         """Read (or write, for a new file) the header and replay the log (an exclusive flock is held)."""
         fd = self.fd
-        data = _read(fd, 0, os.fstat(fd).st_size)
+        stat = os.fstat(fd)
+        self.inode = (stat.st_dev, stat.st_ino)
+        data = _read(fd, 0, stat.st_size)
         try:
             start, info = log.read_header(data) if data else (0, {})
-        except log.TornHeaderError:
-            logger.warning("FileStore: %r held only part of a header (its creator died); starting it afresh", self.path)
-            self.truncate(fn, 0)
-            data, start = b"", 0
+        except log.TornHeaderError as exc:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} has a truncated header: {exc.have} of {exc.need} bytes (its creator died "
+                "while writing it, or another program cut the file); which world it belongs to cannot be told, so "
+                f"it is not reused; {_ADVICE}"
+            ) from None
         except log.OtherFormatError as exc:
             if exc.version is None:
                 raise DistStoreError(f"{fn}: {self.path!r} is not a FileStore file (it holds other data)") from None
@@ -150,11 +173,18 @@ class _FileState:
         except log.LogError as exc:
             raise DistStoreError(self._damaged(fn, exc)) from None
         if not data:
-            data = log.new_file(self.world_size)
-            self.append_raw(fn, 0, data)
-            start, info = log.read_header(data)
+            self.start_afresh(fn)
+            return
         self.header, self.info, self.offset = data[:start], info, start
         self.absorb(fn, data[start:])
+
+    def start_afresh(self, fn: str) -> None:
+        """Make the (empty, or cut to empty) file a new one, of a new world, and forget what was read."""
+        data = log.new_file(self.world_size)
+        self.append_raw(fn, 0, data)
+        start, info = log.read_header(data)
+        self.header, self.info, self.offset = data[:start], info, start
+        self.data, self.meta, self.tail = {}, {}, None
 
     def refresh(self, fn: str) -> None:
         """Replay the records added since the last refresh (a flock is held).
@@ -163,6 +193,7 @@ class _FileState:
             DistStoreError: the file shrank below what was replayed, was replaced, or is damaged.
         """
         fd = self.fd
+        self.check_path(fn)
         size = os.fstat(fd).st_size
         if size < self.offset:
             raise DistStoreError(
@@ -180,6 +211,30 @@ class _FileState:
         if self.tail is not None and (size, os.pread(fd, 64, self.offset)) == self.tail_seen:
             return  # the same damaged tail as last time
         self.absorb(fn, _read(fd, self.offset, size))
+
+    def check_path(self, fn: str) -> None:
+        """Raise DistStoreError if the path no longer names the file this store joined."""
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            there = None
+        if there is not None and (there.st_dev, there.st_ino) == self.inode:
+            return
+        mine = f"the file of world id {self.world_id} ({log.describe(self.info)})"
+        if there is None:
+            found = "nothing is there now"
+        else:
+            found = f"it now names another file (inode {there.st_ino})"
+            try:
+                with open(self.path, "rb") as f:
+                    _, info = log.read_header(f.read(log.HEADER_SIZE * 2))
+                found += f" of world id {info.get('id', '?')} ({log.describe(info)})"
+            except (OSError, log.LogError, log.OtherFormatError, log.TornHeaderError):
+                pass
+        raise DistStoreError(
+            f"{fn}: {self.path!r} was removed or replaced while this store used {mine}: {found}; stores that "
+            f"open the path now do not meet this one, so this world cannot go on; {_ADVICE}"
+        )
 
     def absorb(self, fn: str, buf: bytes) -> None:
         """Apply the valid records of ``buf`` (the file from ``offset`` on); note a damaged tail."""
@@ -206,6 +261,17 @@ class _FileState:
 
     def _damaged(self, fn: str, exc: log.LogError) -> str:
         return f"{fn}: {self.path!r} is damaged at byte {exc.offset}: {exc.why}; records may be lost, {_ADVICE}"
+
+    def world_note(self) -> str:
+        """Say, for a timeout, that fewer than world_size processes joined (empty if all did)."""
+        joined = len(self.members())
+        if not self.counted or joined >= self.world_size:
+            return ""
+        return (
+            f"{joined} of {self.world_size} ranks have joined {self.path!r} (world id {self.world_id}, "
+            f"{log.describe(self.info)}): the others have not opened it yet, or they finished and removed the file "
+            "before this process opened it, and this process made a new file alone (a late joiner)"
+        )
 
     def tail_note(self) -> str:
         """Say, for a timeout, that the log ends in a damaged record (empty if it does not)."""
@@ -278,6 +344,9 @@ class _FileState:
                 f"world_size={self.world_size}: another job uses the file, or left it behind; use another path, "
                 "or remove the file"
             )
+        if made_for > 0 and self.world_size > 0:
+            self.admit(fn)
+            made = log.describe(self.info)
         joined, closed = self.meta.get(_JOINED, 0), self.meta.get(_CLOSED, 0)
         if made_for > 0 and joined >= made_for and closed > 0:
             raise DistStoreError(
@@ -286,7 +355,47 @@ class _FileState:
                 f"that world: the file was left behind by a job whose stores did not all close (a crash), another "
                 f"job uses it, or the stores of its previous use are still closing (then wait for them); {_ADVICE}"
             )
-        self.bump(fn, {_JOINED: 1, _USERS: 1})
+        changes = {_JOINED: 1, _USERS: 1}
+        if made_for > 0 and self.world_size > 0:
+            self.counted = log.process_key(log.this_process())
+            changes[self.counted] = 1
+        self.bump(fn, changes)
+
+    def admit(self, fn: str) -> None:
+        """Refuse a process that is not one of the file's world; take over a crashed job's file."""
+        me = log.this_process()
+        members = self.members()
+        if me in members:
+            return  # another store of a process of this world
+        verdict, crashed, running = log.judge_newcomer(members, self.world_size)
+        if verdict == "join":
+            return
+        made = f"world id {self.world_id}, {log.describe(self.info)}"
+        dead = ", ".join(log.show_process(p) for p in crashed)
+        if verdict == "take over":
+            logger.warning(
+                "FileStore: %r was left by a crashed job (%s; %s died without closing, no process of it runs); "
+                "starting it afresh",
+                self.path,
+                made,
+                dead,
+            )
+            self.truncate(fn, 0)
+            self.start_afresh(fn)
+            return
+        live = ", ".join(log.show_process(p) for p in running)
+        if verdict == "broken":
+            raise DistStoreError(
+                f"{fn}: {self.path!r} belongs to a world ({made}) in which {dead} died without closing while "
+                f"{live} still hold stores on it: that job crashed in part, or another job uses the file; this "
+                f"process is not one of its {self.world_size} ranks; {_ADVICE}"
+            )
+        raise DistStoreError(
+            f"{fn}: {self.path!r} belongs to another world ({made}; {len(members)} of {self.world_size} ranks "
+            f"joined: {', '.join(log.show_process(p) for p in members)}), and this process ({log.show_process(me)}) is not "
+            "one of them: another job uses the file, or left it behind; give each job a path of its own, or "
+            "remove the file once that job is over"
+        )
 
     def release(self) -> None:
         """Unregister this user; the last one (see FileStore) removes the file. Idempotent."""
@@ -299,7 +408,10 @@ class _FileState:
                 if not _is_at_path(fd, self.path):
                     return
                 self.refresh("FileStore.close")
-                counts = self.bump("FileStore.close", {_CLOSED: 1, _USERS: -1})
+                changes = {_CLOSED: 1, _USERS: -1}
+                if self.counted:
+                    changes[self.counted] = -1
+                counts = self.bump("FileStore.close", changes)
                 if counts[_USERS] <= 0 and 0 < self.world_size <= counts[_CLOSED]:
                     os.unlink(self.path)
             except (OSError, DistStoreError):
@@ -331,9 +443,11 @@ class FileStore(Store):
 
     Raises:
         DistStoreError: the file cannot be opened or written; it holds something
-            else, another format version, or damage; it was made for another
-            ``world_size``; or its world is complete and some of its stores
-            have left (a file left behind by a crashed job).
+            else, another format version, a truncated header, or damage; it was
+            made for another ``world_size``; it belongs to another world (its
+            ``world_size`` processes joined, or some died while others run); or
+            its world is complete and some of its stores have left. A file whose
+            processes all died is started afresh instead (see the module).
 
     Examples:
         >>> store = dist.FileStore("/tmp/filestore", 2)  # on both ranks
@@ -431,7 +545,7 @@ class FileStore(Store):
                 missing = [k for k in keys if k not in state.data]
                 if not missing:
                     return [state.data[k] for k in keys]
-                note = state.tail_note()
+                note = "; ".join(n for n in (state.tail_note(), state.world_note()) if n)
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:

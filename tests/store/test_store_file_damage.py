@@ -311,20 +311,25 @@ def test_other_formats_are_refused_without_being_changed(path):
             assert f.read() == data
 
 
-def test_a_torn_file_header_is_rewritten(path):
+def test_a_torn_file_header_is_refused_without_being_changed(path):
     with FileStore(path, 1) as store:
         store.set("k", "v")
         with open(path, "rb") as f:
             whole = f.read()
-    for cut in (3, len(MAGIC), len(MAGIC) + 5):  # the creator died while writing the header
+    assert reference_parse(whole)[1][0] == 512  # the magic and the header fill 512 bytes
+    for cut in (3, len(MAGIC), len(MAGIC) + 5, len(MAGIC) + HEAD.size + 7, 511):  # the creator died mid-header
         with open(path, "wb") as f:
             f.write(whole[:cut])
-        with FileStore(path, timeout=PATIENCE) as store:
-            assert store.num_keys() == 1 and not store.check(["k"])
-            store.set("fresh", "1")
-            assert store.get("fresh") == b"1"
+        with pytest.raises(
+            DistStoreError,
+            match=rf"^FileStore: '{re.escape(path)}' has a truncated header: {cut} of 512 bytes .*remove the file",
+        ):
+            FileStore(path, 1, timeout=PATIENCE)
         with open(path, "rb") as f:
-            reference_parse(f.read())
+            assert f.read() == whole[:cut]
+    os.unlink(path)  # as the message advises
+    with FileStore(path, 1, timeout=PATIENCE) as store:
+        assert store.num_keys() == 1 and not store.check(["k"])
 
 
 # ---------------------------------------------------------------------------------------------
