@@ -42,6 +42,7 @@ from .errors import (
     DistError,
     DistNetworkError,
     DistStoreError,
+    ProcessFailedError,
     RankNotInGroupError,
 )
 from .groups import (
@@ -51,6 +52,7 @@ from .groups import (
     new_group,
     new_subgroups,
     new_subgroups_by_enumeration,
+    split_group,
 )
 from .init import (
     default_pg_timeout,
@@ -95,6 +97,7 @@ from .persistent import (
 )
 from .process_group import GroupMember, ProcessGroup, group
 from .reduce_op import ReduceOp, _make_nccl_premul_sum, make_premul_sum, reduce_op, supports_complex
+from .resilience import SHRINK_ABORT, SHRINK_DEFAULT, shrink_group
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .utils import (
     MPIEnvironment,
@@ -138,6 +141,10 @@ __all__ = [
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
+    "split_group",
+    "shrink_group",
+    "SHRINK_DEFAULT",
+    "SHRINK_ABORT",
     "get_group_rank",
     "get_global_rank",
     "get_process_group_ranks",
@@ -210,6 +217,7 @@ __all__ = [
     "DistError",
     "DistBackendError",
     "DistStoreError",
+    "ProcessFailedError",
     "DistNetworkError",
     "RankNotInGroupError",
     "DefaultGroupStateError",

@@ -82,6 +82,8 @@ class World:
         self.torch_dtypes: Any = None  # torch dtype -> numpy dtype (built on first use)
         self.device_ops: Any = None  # _device.CupyOps, made on the first GPU array
         self.cuda_aware: bool | None = None  # whether MPI takes device pointers (_device.mpi_cuda_aware)
+        self.survived_failure = False  # shrink_group went on without a dead member (launch/abort.py: exit)
+        self.ulfm: bool | None = None  # the MPI library reports dead members (backends/ulfm.py; asked once)
         self.persistent_routines: dict[str, bool] = {}  # MPI-4 *_init routines this MPI library runs (probed)
         self.self_truncation_reported: bool | None = None  # MPI reports a longer message to self (probed)
         self.staging_warned = False  # the one-time warning about staging device arrays through host memory

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "DistError",
     "DistBackendError",
+    "ProcessFailedError",
     "DistStoreError",
     "DistNetworkError",
     "RankNotInGroupError",
@@ -41,6 +42,38 @@ class DistBackendError(DistError):
         Traceback (most recent call last):
         DistBackendError: barrier (call #1) on group 0 (mpi, rank 0 of 2) did not complete within the timeout of 1 s. Rank 1: no answer (not waiting in an mpidist call: busy elsewhere, hung or dead). The group is unusable now (the call is still pending inside MPI): destroy it, or end the job (mpidist.abort_process_group).
     """
+
+
+class ProcessFailedError(DistBackendError):
+    """A member of the group has died (MPI's User-Level Failure Mitigation, ULFM, reported it).
+
+    Raised, where the MPI library has ULFM (Open MPI 5 under ``mpirun --with-ft ulfm``),
+    by the call that met the failure and by every later call on the group, on every
+    surviving member, within the failure detector's time rather than the group's
+    timeout. The group is revoked: members blocked in other calls on it wake up with
+    this error too. ``shrink_group(exc.failed_group_ranks, group)`` then makes a group
+    of the survivors.
+
+    Attributes:
+        failed_ranks: the dead members' global ranks, sorted (those known on this
+            rank when it raised; ``shrink_group`` agrees on the full set).
+        failed_group_ranks: the same members' ranks in the group.
+        group_name: the name of the group the call was made on.
+
+    Examples:
+        >>> try:
+        ...     dist.all_reduce(x)  # rank 3 was killed (mpirun --with-ft ulfm -n 4)
+        ... except dist.ProcessFailedError as exc:
+        ...     world = dist.shrink_group(exc.failed_group_ranks)  # the new default group
+        >>> exc.failed_ranks, dist.get_world_size()
+        ([3], 3)
+    """
+
+    def __init__(self, message: str, failed_ranks: list[int], failed_group_ranks: list[int], group_name: str) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+        self.failed_group_ranks = failed_group_ranks
+        self.group_name = group_name
 
 
 class DistStoreError(DistError):

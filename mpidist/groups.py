@@ -33,6 +33,7 @@ __all__ = [
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
+    "split_group",
     "get_group_rank",
     "get_global_rank",
     "get_process_group_ranks",
@@ -265,7 +266,7 @@ def _split(
     group_desc: str | None,
     requested: str,
 ) -> tuple[ProcessGroup | None, list[Any]]:
-    """Create one group per list with one MPI_Comm_split of ``parent`` (an MPIBackend); return (mine, all)."""
+    """Create one group per list of global ranks with one MPI_Comm_split of ``parent`` (an MPIBackend); return (mine, all)."""
     from mpi4py import MPI
 
     me = world.default_pg.rank() if world.default_pg is not None else -1
@@ -414,6 +415,75 @@ def new_subgroups_by_enumeration(
                 )
             seen[r] = i
     return _split(fn, world.control, lists, td, devices, pg_options, group_desc, requested)
+
+
+def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: list[list[int]] | None = None,
+    timeout: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: Any = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` into disjoint groups of its ranks, with one ``MPI_Comm_split``.
+
+    Every member of ``parent_pg`` calls it with the same ``split_ranks``. Unlike
+    ``new_subgroups_by_enumeration``, the ranks are ``parent_pg``'s group ranks,
+    each list is sorted, and a rank in no list gets None. Works on any MPI library
+    (torch runs it on NCCL only).
+
+    Args:
+        parent_pg: The group to split; None is the default group.
+        split_ranks: Lists of group ranks of ``parent_pg``, not overlapping; a rank
+            in none of them gets None.
+        timeout: The new groups' timeout (timedelta or seconds); None means the
+            default group's.
+        pg_options: Passed to a registered backend's factory.
+        group_desc: A description of the new group, shown in debug output.
+        backend: The new groups' backend; None means ``parent_pg``'s.
+
+    Returns:
+        This rank's new ``ProcessGroup``, or None if it is in no list.
+
+    Raises:
+        TypeError: ``split_ranks`` is not a list of lists of int ranks.
+        ValueError: ``split_ranks`` is None or empty, a list is empty or has a rank
+            twice or outside ``parent_pg``, two lists overlap, or this rank is not
+            a member of ``parent_pg``.
+        DistBackendError: not every member of ``parent_pg`` called it within the
+            timeout.
+
+    Examples:
+        >>> pair = dist.split_group(split_ranks=[[0, 1], [2, 3]])  # mpiexec -n 4
+        >>> dist.get_process_group_ranks(pair)
+        [0, 1]  # rank 0 and rank 1
+        [2, 3]  # rank 2 and rank 3
+    """
+    fn = "split_group"
+    parent = resolve_group(parent_pg, fn)
+    if parent is None:
+        raise ValueError(f"{fn}: this rank is not a member of parent_pg")
+    if split_ranks is None or (isinstance(split_ranks, (list, tuple)) and not split_ranks):
+        raise ValueError(f"{fn}: split_ranks must be a non-empty list of lists of ranks, got {split_ranks!r}")
+    if not isinstance(split_ranks, (list, tuple)):
+        raise TypeError(f"{fn}: split_ranks must be a list of lists of ranks, got {type(split_ranks).__name__}")
+    lists = [_rank_list(r, parent.size(), fn, f"split_ranks[{i}]") for i, r in enumerate(split_ranks)]
+    seen: dict[int, int] = {}
+    for i, lst in enumerate(lists):
+        if not lst:
+            raise ValueError(f"{fn}: split_ranks[{i}] is empty")
+        for r in lst:
+            if r in seen:
+                raise ValueError(f"{fn}: rank {r} is in split_ranks[{seen[r]}] and split_ranks[{i}]; splits must not overlap")
+            seen[r] = i
+    if backend is None:
+        devices, requested = parent.devices, parent.backend_name
+    else:
+        devices, requested = parse_backend(backend, fn), requested_name(backend)
+    td = parent.timeout if timeout is None else timeout_arg(timeout, fn, parent.timeout)
+    global_lists = [[parent.ranks[r] for r in lst] for lst in lists]
+    mine, _ = _split(fn, parent.control, global_lists, td, devices, pg_options, group_desc, requested)
+    return mine
 
 
 def _member_group(group: Any, fn: str) -> ProcessGroup:

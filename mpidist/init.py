@@ -8,6 +8,8 @@ against MPI on every rank together, so all ranks raise the same ValueError.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 from datetime import timedelta
@@ -261,6 +263,53 @@ def init_process_group(
             world.reset()
             raise
         world.default_pg = pg
+
+
+def replace_world(data: Any, pg_options: Any, group_desc: str) -> ProcessGroup:
+    """Make ``data``, a communicator of some members of the default group, the world (``shrink_group``).
+
+    Global ranks become ``data``'s ranks. Every other group is dropped without a word to its
+    members (some may be dead), as is the old default group. mpidist's control communicator and
+    node split follow; a default store mpidist opened is opened anew by the new rank 0 (the old
+    one lived in the old rank 0's process, which may be dead); a store the program passed stays.
+    """
+    from mpi4py import MPI
+
+    from .backends.mpi import MPIBackend
+
+    old = world.default_pg
+    assert old is not None
+    td = old.timeout
+    control = data.Dup()
+    size = control.Get_size()
+    node = control.Split_type(MPI.COMM_TYPE_SHARED, key=control.Get_rank())
+    for member in list(world.groups.values()):
+        member.abandon()
+    world.unreleased.extend(c for c in (world.control_comm, world.node_comm) if c is not None)
+    if world.stall is not None:
+        world.stall.close()
+        world.stall = None
+    if world.init_info.own_store:
+        with contextlib.suppress(Exception):
+            world.store.close()
+    world.groups = {}
+    world.default_pg = None
+    world.control_comm, world.node_comm = control, node
+    world.init_info = dataclasses.replace(
+        world.init_info,
+        node_rank=node.Get_rank(),
+        node_size=node.Get_size(),
+        oversubscribed=node.Get_size() > _usable_cpus(),
+        store_error="",
+    )
+    world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(size)))
+    if world.init_info.own_store:
+        world.store = _open_default_store(control, node.Get_size() == size, td)
+    pg = make_group(
+        data, list(range(size)), old.devices, td, pg_options, world.next_group_name(), group_desc, old.backend_name
+    )
+    world.default_pg = pg
+    return pg
 
 
 def _check_store(store: Any, fn: str) -> None:

@@ -413,6 +413,23 @@ class ProcessGroup:
             # call that failed here waits in it: freed, its context could be reused by a later group
             world.unreleased.append(self._comm)
 
+    def abandon(self) -> None:
+        """Mark the group destroyed without a word to its members (``shrink_group``: some are dead or
+        left out, so no agreement to free can complete). Its communicators stay allocated for the
+        life of the process, as after a timeout."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        world.unreleased.append(self)
+
+    def backends(self) -> list[BaseBackend]:
+        """The group's backends (host, device, those made on first use), without the debug wrappers."""
+        return [levels[0] for levels in (*self._made, self._device, self._host) if levels is not None]
+
+    def communicators(self) -> list[Any]:
+        """The MPI communicators the group calls on: its own and its control's."""
+        return [c for c in (self._comm, getattr(self.control, "comm", None)) if c is not None]
+
     @property
     def mpi_comm(self) -> Any:
         """The group's private MPI communicator (an ``mpi4py.MPI.Comm``), for use with mpi4py.

@@ -35,9 +35,10 @@ from mpi4py import MPI
 from .._world import world
 from ..arrays import host as _arrays
 from ..arrays.host import displacements, then_write_back
-from ..errors import DistBackendError
+from ..errors import DistBackendError, ProcessFailedError
 from ..reduce_op import RedOpType
 from ..work import Work, poll
+from . import ulfm
 from .base import BaseBackend, PersistentPlan
 from .direct import calls_kind, make_calls
 from .mpi_persistent import MPIPersistent
@@ -322,11 +323,29 @@ class MPIBackend(BaseBackend):
         return self.backend_error(op, self.seq, exc)
 
     def backend_error(self, op: str, seq: int, exc: BaseException) -> DistBackendError:
-        """Wrap an MPI error; on an MPI-3 library, say what an invalid-argument error most likely means."""
+        """Wrap an MPI error; on an MPI-3 library, say what an invalid-argument error most likely means.
+
+        A dead member (ULFM) gives a ``ProcessFailedError`` naming it, and the communicator is revoked so
+        that the members blocked in other calls on it wake up too."""
+        if ulfm.is_failure(exc):
+            return self._process_failed(op, seq, exc)
         error = super().backend_error(op, seq, exc)
         if not LARGE_COUNTS and isinstance(exc, MPI.Exception) and exc.Get_error_class() in COUNT_ERRORS:
             error = DistBackendError(f"{error} {count_limit_note()}")
         return error
+
+    def _process_failed(self, op: str, seq: int, exc: BaseException) -> ProcessFailedError:
+        ulfm.revoke(self.comm)
+        dead = ulfm.failed_members(self.comm, min(self.timeout_s, ulfm.REPORT_WAIT_S))
+        ranks = [self.global_ranks[r] for r in dead] if self.global_ranks is not None else dead
+        known = f"rank(s) {ranks} died" if ranks else "a member died (the detector has not named it yet)"
+        return ProcessFailedError(
+            f"{op} (call #{seq}) on {self.describe()} failed: {known} ({exc}). The group is revoked: every "
+            "call on it fails now; shrink_group(exc.failed_group_ranks, group) makes a group of the survivors.",
+            ranks,
+            dead,
+            self.group_name,
+        )
 
     # -- shared memory --------------------------------------------------------------------
     def _shared(self, fn: str, nbytes: int) -> SharedPath | None:

@@ -19,6 +19,8 @@ handling does, instead of leaving the other ranks waiting until their timeouts.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import os
 import sys
 import time
@@ -161,6 +163,32 @@ def exit_check() -> None:
     _abort(MPI.COMM_WORLD, ABORT_CODE)
 
 
+#: how long a survivor of a dead member lets MPI_Finalize run before it ends without it (seconds)
+FINALIZE_LIMIT_S = 10.0
+
+
+def finalize_after_failure() -> None:
+    """At interpreter exit, in a process that went on after a member died (``shrink_group`` over ULFM):
+    finalize MPI here, and if that has not returned within ``FINALIZE_LIMIT_S``, end the process
+    (exit status 1, after a "Timeout" traceback on stderr that points here) instead of hanging.
+
+    Open MPI 5.0.11's ``MPI_Finalize`` sometimes waits forever for the dead process (its runtime's
+    fence; open-mpi/ompi#11404): 1 run in 5-10 here, with mpi4py alone as with mpidist. mpi4py
+    holds the interpreter lock inside ``MPI_Finalize``, so no Python thread can end the process:
+    faulthandler's timer (a C thread) does.
+    """
+    if not world.survived_failure or not _mpi_running():
+        return
+    from mpi4py import MPI
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    faulthandler.dump_traceback_later(FINALIZE_LIMIT_S, exit=True)
+    MPI.Finalize()
+    faulthandler.cancel_dump_traceback_later()
+
+
 #: how long a process that is about to abort the job gives its launcher to forward its last lines
 _OUTPUT_GRACE_S = 0.3
 
@@ -192,4 +220,5 @@ def _pending(backend: Any) -> bool:
         return True
 
 
+atexit.register(finalize_after_failure)  # atexit runs handlers last-in first-out: after exit_check
 atexit.register(exit_check)
