@@ -199,6 +199,27 @@ def _call(parent: TorchFuture, fn: Callable[[Any], Any], child: TorchFuture | No
         child.set_result(value)
 
 
+class _Failure:
+    """The value of a Future completed with an error (``TorchFuture.set_exception``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self.error  # torch's C++ code extracts a value's tensors by pickling it
+
+    def __str__(self) -> str:  # quoted by torch where it fails to read a tensor out of it
+        return f"{type(self.error).__name__}: {self.error}"
+
+    __repr__ = __str__
+
+
+def _raise_failure(value: _Failure) -> Any:
+    raise value.error
+
+
 class TorchFuture(torch.futures.Future):
     """A ``torch.futures.Future`` whose callbacks run in a fixed order on the engine thread.
 
@@ -227,6 +248,21 @@ class TorchFuture(torch.futures.Future):
             except BaseException:  # noqa: BLE001 - the Future carries the same error
                 pass
         return super().wait()
+
+    def set_exception(self, result: BaseException) -> None:
+        """Complete with an error: raised to Python readers as torch does, and to C++ readers too.
+
+        torch's ``set_exception`` makes the exception the Future's value, raised by an unwrap
+        function that only Python readers call; a C++ reader such as DDP's reducer takes the value
+        as the bucket's tensors and, given an exception, indexes an empty list (a segfault in
+        torch 2.13). The value here is a ``_Failure``, which raises the error where C++ extracts
+        tensors from it (by pickling), so ``loss.backward()`` raises a RuntimeError quoting it
+        (with a Python communication hook: torch's "Unable to cast <the error> to Tensor").
+        """
+        if not isinstance(result, Exception):
+            raise AssertionError(f"{result} is of type {type(result)}, not an Exception.")  # torch's check
+        super()._set_unwrap_func(_raise_failure)
+        self.set_result(_Failure(result))
 
     def then(self, callback: Callable[[Any], Any]) -> TorchFuture:
         """Return a Future completed with ``callback(self)`` (run on the engine thread, in order)."""

@@ -376,7 +376,7 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         for g in (self._side, None if self._owns_world else self._main):
             if g is not None and not g.destroyed:
                 _destroy(g)
-        if self._owns_world and world.default_pg is not None:
+        if self._owns_world and world.default_pg is self._main:  # not a world that replaced it (shrink_group)
             _destroy()
 
     def abort(self) -> None:
