@@ -63,7 +63,7 @@ from .._validate import c_extension_refused
 from ..errors import DistBackendError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, from_order_keys, to_order_keys
 from ..work import poll
-from . import shm_tuning
+from . import shm_tuning, ulfm
 from .mpi_types import TypeEntry
 
 try:  # the POSIX shared-memory calls multiprocessing.shared_memory uses (no resource tracker here)
@@ -267,7 +267,8 @@ class SharedPath:
         """
         comm, rank, size = backend.comm, backend.rank, backend.size
         library = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
-        willing = size > 1 and shm_tuning.enabled() and not shm_status()
+        # under ULFM MPI's calls report a dead member at once; a wait on shared counters would only time out
+        willing = size > 1 and shm_tuning.enabled() and not shm_status() and not ulfm.enabled()
         limits = shm_tuning.thresholds(size, library)
         per = _region_sizes(size)[0]
         name, mem, nonce = "", None, 0

