@@ -156,3 +156,29 @@ def test_shrink_group_refuses_this_ranks_own_exclusion_and_every_rank(rank, worl
         dist.shrink_group([rank])
     with pytest.raises(ValueError, match="names all"):
         dist.shrink_group(list(range(world_size)))
+
+
+def test_shrink_group_after_a_timeout_without_ulfm_names_what_it_needs(rank, world_size):
+    """A group with a call that timed out (a member may be dead): without ULFM, a clear error, not a hang."""
+    if world_size < 2:
+        pytest.skip("needs a rank that stays away")
+    from mpidist.backends import ulfm
+
+    if ulfm.enabled():
+        pytest.skip("this MPI library has ULFM")
+    g = dist.new_group(timeout=timedelta(seconds=2))
+    problems: list[str] = []
+    if rank == 0:  # the others stay away: rank 0's call times out
+        try:
+            dist.all_reduce(np.ones(2), group=g)
+            problems.append("the all_reduce without the other ranks did not time out")
+        except dist.DistBackendError:
+            pass
+        try:
+            dist.shrink_group([1], g)
+            problems.append("shrink_group went ahead on a group with a timed-out call")
+        except dist.DistBackendError as exc:
+            if "needs an MPI library with User-Level Failure Mitigation" not in str(exc) or "--with-ft ulfm" not in str(exc):
+                problems.append(f"the error does not say what is needed: {exc}")
+    fail_together(problems)
+    dist.destroy_process_group(g)
