@@ -24,7 +24,7 @@ __all__ = ["shrink_group", "SHRINK_DEFAULT", "SHRINK_ABORT"]
 
 #: ``shrink_flags``: shrink once the excluded ranks have stopped taking part
 SHRINK_DEFAULT = 0x00
-#: ``shrink_flags``: revoke the group first, so that calls pending on it end (with ``ProcessFailedError``)
+#: ``shrink_flags``: revoke the group first (ULFM), so that calls pending on it end (with ``ProcessFailedError``)
 SHRINK_ABORT = 0x01
 
 _NEEDS_ULFM = (
@@ -54,7 +54,8 @@ def shrink_group(
             not this rank, not every rank.
         group: The group to shrink; None is the default group.
         shrink_flags: ``SHRINK_DEFAULT``, or ``SHRINK_ABORT`` to revoke ``group``
-            first so that calls pending on it end.
+            first so that calls pending on it end (with ULFM; elsewhere MPI has no
+            way to end them, and it acts as ``SHRINK_DEFAULT``).
         pg_options: Passed to a registered backend's factory for the new group.
 
     Returns:

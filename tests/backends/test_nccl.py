@@ -961,3 +961,31 @@ def test_cupy_runtime_is_required(monkeypatch):
     c = Checks()
     c.raises(RuntimeError, r"needs cupy with NCCL bindings: pip install 'mpidist\[gpu\]'", CudaRuntime.from_cupy)
     c.done()
+
+
+def test_split_and_shrink_an_nccl_group_make_nccl_communicators_of_their_own(fake_factory):
+    """split_group and shrink_group keep the parent's backend: a new NCCL communicator on the new MPI one."""
+    g = dist.new_group(list(range(SIZE)), backend="nccl")
+    made = len(fake_factory)
+    c = Checks()
+    half = (SIZE + 1) // 2
+    splits = [list(range(half)), list(range(half, SIZE))] if SIZE > 1 else [[0]]
+    sub = dist.split_group(g, [s for s in splits if s])
+    mine = next(s for s in splits if RANK in s)
+    c.equal("split's backend", dist.get_backend(sub), "nccl")
+    x = np.full(3, RANK + 1.0)
+    dist.all_reduce(HostCudaArray(x), group=sub)
+    c.equal("all_reduce on the split", x, np.full(3, float(sum(r + 1 for r in mine))))
+    c.true("a new NCCL communicator for the split", len(fake_factory) > made)
+    if SIZE > 1 and RANK != SIZE - 1:
+        small = dist.shrink_group([SIZE - 1], g)
+        y = np.full(2, RANK + 1.0)
+        dist.all_reduce(HostCudaArray(y), group=small)
+        c.equal("all_reduce on the shrunk group", y, np.full(2, float(sum(range(1, SIZE)))))
+        c.equal("shrunk group's backend", dist.get_backend(small), "nccl")
+        c.raises(TypeError, "CUDA arrays only", dist.all_reduce, np.ones(2), group=small)
+        dist.destroy_process_group(small)
+    elif SIZE > 1:
+        dist.destroy_process_group(g)  # the rank left out (its peers do not answer: a few seconds)
+    dist.destroy_process_group(sub)
+    c.done()
