@@ -85,15 +85,18 @@ def test_shrink_group_of_a_healthy_group_leaves_the_excluded_rank_out(rank, worl
     g = dist.new_group()
     gone = world_size - 1
     if rank != gone:
-        new = dist.shrink_group([gone], g)
-        members = list(range(world_size - 1))
-        if dist.get_process_group_ranks(new) != members or new.rank() != rank:
-            problems.append(f"shrunk group {dist.get_process_group_ranks(new)}, rank {new.rank()}")
-        elif _sum_of(new, rank) != sum(r + 1 for r in members):
-            problems.append("all_reduce on the shrunk group gave another sum")
-        if not g.destroyed:
-            problems.append("the old group is not destroyed")
-        dist.destroy_process_group(new)
+        try:
+            new = dist.shrink_group([gone], g)
+            members = list(range(world_size - 1))
+            if dist.get_process_group_ranks(new) != members or new.rank() != rank:
+                problems.append(f"shrunk group {dist.get_process_group_ranks(new)}, rank {new.rank()}")
+            elif _sum_of(new, rank) != sum(r + 1 for r in members):
+                problems.append("all_reduce on the shrunk group gave another sum")
+            if not g.destroyed:
+                problems.append("the old group is not destroyed")
+            dist.destroy_process_group(new)
+        except Exception as exc:  # noqa: BLE001 - reported by every rank together below
+            problems.append(f"{type(exc).__name__}: {exc}")
     else:
         dist.destroy_process_group(g)  # the excluded rank: it left (its peers do not answer: a few seconds)
     fail_together(problems)
@@ -106,7 +109,8 @@ def test_shrink_group_of_the_default_group_replaces_the_world(rank, world_size):
     problems: list[str] = []
     side = dist.new_group()
     gone = 0  # the store's host leaves: the survivors need a store of their own
-    if rank != gone:
+
+    def survive() -> None:
         new = dist.shrink_group([gone])
         n = world_size - 1
         if new is not dist.group.WORLD or dist.get_world_size() != n or dist.get_rank() != rank - 1:
@@ -117,14 +121,21 @@ def test_shrink_group_of_the_default_group_replaces_the_world(rank, world_size):
             problems.append(f"all_reduce over the new world: {x[0]}")
         if not side.destroyed:
             problems.append("the other group survived the default group's shrink")
-        pair = dist.new_group([0, n - 1])  # global ranks of the new world
-        if dist.get_rank() in (0, n - 1) and dist.get_process_group_ranks(pair) != sorted({0, n - 1}):
+        ends = sorted({0, n - 1})
+        pair = dist.new_group(ends)  # global ranks of the new world
+        if dist.get_rank() in ends and dist.get_process_group_ranks(pair) != ends:
             problems.append(f"a new group in the new world: {dist.get_process_group_ranks(pair)}")
         store = dist.get_default_store()
         store.add("arrived", 1)
         dist.barrier()
         if store.add("arrived", 0) != n:
             problems.append("the new store did not count every survivor")
+
+    if rank != gone:
+        try:
+            survive()
+        except Exception as exc:  # noqa: BLE001 - reported by every rank together below
+            problems.append(f"{type(exc).__name__}: {exc}")
     dist.destroy_process_group()  # on rank 0, the old world: its peers do not answer (a few seconds)
     fail_together(problems)  # then the harness makes a world of every rank again
 
