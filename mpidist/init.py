@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from ._auth import new_secret
 from ._validate import env_flag, int_arg, timeout_arg
 from ._world import InitInfo, world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
@@ -324,6 +325,9 @@ def _check_store(store: Any, fn: str) -> None:
 def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any:
     """Rank 0 opens a TCPStore on a free port and tells the others (collective over ``comm``).
 
+    The store takes a fresh secret that rank 0 sends with its address over MPI:
+    only the job's processes get in (see docs/security.md).
+
     It listens on loopback when every rank shares its node, else on the address
     :func:`~mpidist.launch.from_mpi.root_address` picks (``MASTER_ADDR``, or the
     interface towards the other hosts; never a loopback one). If rank 0 cannot open
@@ -333,7 +337,7 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     from .store import TCPStore
 
     host = root_address(comm, single_node)
-    found: tuple[str, Any] = ("", None)
+    found: tuple[str, Any, bytes] = ("", None, b"")
     made = None
     if comm.Get_rank() == 0:
         try:
@@ -342,18 +346,19 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
                     "the ranks span several hosts, but rank 0's host has no address other than loopback that they "
                     "reach; set MASTER_ADDR to an address of rank 0's host"
                 )
-            made = TCPStore(host, 0, comm.Get_size(), True, timeout, wait_for_workers=False)
-            found = ("", (host, made.port))
+            secret = new_secret()
+            made = TCPStore(host, 0, comm.Get_size(), True, timeout, wait_for_workers=False, secret=secret)
+            found = ("", (host, made.port), secret)
         except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank
-            found = (f"{type(exc).__name__}: {exc}", None)
-    error, address = comm.bcast(found, root=0)
+            found = (f"{type(exc).__name__}: {exc}", None, b"")
+    error, address, secret = comm.bcast(found, root=0)  # the secret travels over MPI only
     if error:
         world.init_info.store_error = error
         return None
     return (
         made
         if made is not None
-        else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False)
+        else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False, secret=secret)
     )
 
 

@@ -44,6 +44,8 @@ from typing import Callable
 
 from ..errors import DistNetworkError
 from . import _protocol as wire
+from .._auth import JobKey
+from ._handshake import Acceptor
 from ._protocol import Cmd, Status
 from .base import NotACounterError, compare_set_value, parse_counter
 
@@ -63,6 +65,8 @@ _REPLY_COST = 256
 _ACCEPT_PAUSE_FIRST_S, _ACCEPT_PAUSE_MAX_S = 0.01, 1.0
 #: accept() errors that concern only the connection being accepted (accept the next one at once)
 _ACCEPT_SKIP = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+#: what the store's proofs of membership name as the service
+SERVICE = b"store"
 
 logger = logging.getLogger("mpidist.store")
 
@@ -91,6 +95,11 @@ def listen(host: str, port: int, fn: str) -> socket.socket:
         except OSError as exc:
             sock.close()
             last = exc
+    if last is not None and last.errno == errno.EADDRINUSE:
+        raise DistNetworkError(
+            f"{fn}: cannot listen on {host}:{port}: another process holds port {port} (another user's, another "
+            "job's, or one left running); start the job on a free port (MASTER_PORT)"
+        ) from last
     raise DistNetworkError(f"{fn}: cannot listen on {host}:{port}: {last}") from last
 
 
@@ -122,9 +131,9 @@ def adopt_listener(fd: int, port: int, fn: str) -> socket.socket:
 class _Conn:
     """One client connection: its socket, unparsed input, unsent output, parked request."""
 
-    __slots__ = ("sock", "peer", "inbuf", "pos", "out", "queued", "mask", "hello", "waiter", "closed")
+    __slots__ = ("sock", "peer", "inbuf", "pos", "out", "queued", "mask", "hello", "acceptor", "waiter", "closed")
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, acceptor: Acceptor | None = None) -> None:
         self.sock = sock
         self.peer = peer  # the client's address, for messages
         self.inbuf = bytearray()
@@ -132,7 +141,8 @@ class _Conn:
         self.out: deque[memoryview] = deque()
         self.queued = 0  # what ``out`` holds: its bytes plus _REPLY_COST per reply
         self.mask = _READ
-        self.hello = False
+        self.hello = False  # admitted by the handshake
+        self.acceptor = acceptor or Acceptor(None, SERVICE, wire.MAGIC)
         self.waiter: _Waiter | None = None
         self.closed = False
 
@@ -159,6 +169,9 @@ class StoreServer:
         max_queued_bytes: drop a client once the replies it has not read
             exceed this many bytes (beyond one reply), or once it sends this
             many bytes while a request of its is parked.
+        key: the job's key: every client must prove it holds it before any
+            request of its is read (see ``_handshake.py``); None: every client
+            that speaks the protocol is served.
 
     Example::
 
@@ -169,12 +182,15 @@ class StoreServer:
         >>> server.stop()
     """
 
-    def __init__(self, listener: socket.socket, *, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+    def __init__(
+        self, listener: socket.socket, *, max_queued_bytes: int = MAX_QUEUED_BYTES, key: JobKey | None = None
+    ) -> None:
         if not isinstance(max_queued_bytes, int) or isinstance(max_queued_bytes, bool):
             raise TypeError(f"StoreServer: max_queued_bytes must be an int, got {type(max_queued_bytes).__name__}")
         if max_queued_bytes <= 0:
             raise ValueError(f"StoreServer: max_queued_bytes must be positive, got {max_queued_bytes}")
         self._max_queued = max_queued_bytes
+        self._key = key
         self._listener = listener
         self._listener.setblocking(False)
         self.address: tuple[str, int] = tuple(listener.getsockname()[:2])  # type: ignore[assignment]
@@ -315,7 +331,8 @@ class StoreServer:
             except OSError:
                 sock.close()
                 continue
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            conn = _Conn(sock, peer, Acceptor(self._key, SERVICE, wire.MAGIC))
             self._conns.add(conn)
             self._sel.register(sock, _READ, conn)
 
@@ -425,15 +442,7 @@ class StoreServer:
 
     def _handle(self, conn: _Conn, code: int, fields: list[bytes]) -> None:
         if not conn.hello:
-            if code == Cmd.HELLO and fields == [wire.MAGIC]:
-                conn.hello = True
-                self._send(conn, Status.OK, [])
-                return
-            if code == Cmd.HELLO:  # a store client of another protocol version: tell it why
-                got = fields[0][:64] if len(fields) == 1 else fields
-                why = f"mpidist TCPStore server speaking {wire.MAGIC!r}, the client sent HELLO {got!r}"
-                self._send(conn, Status.ERROR, [f"TCPStore server: protocol mismatch: {why}".encode()])
-            self._drop(conn)
+            self._handshake(conn, code, fields)
             return
         handler = self._handlers.get(code)
         if handler is None:
@@ -452,6 +461,22 @@ class StoreServer:
             return
         if reply is not None:
             self._send(conn, *reply)
+
+    def _handshake(self, conn: _Conn, code: int, fields: list[bytes]) -> None:
+        """One frame of a connection's handshake: admit it, or refuse it (logged) and close it."""
+        acceptor = conn.acceptor
+        reply = acceptor.step(code, fields)
+        if reply is not None:
+            self._send(conn, *reply)
+        if acceptor.admitted:
+            conn.hello = True
+        elif acceptor.refused:
+            if self._key is not None:
+                logger.warning(
+                    "TCPStore server on port %d: refused a connection from %s: %s", self.address[1], conn.peer,
+                    acceptor.reason,
+                )  # fmt: skip
+            self._drop(conn)
 
     def _send(self, conn: _Conn, status: Status, fields: list[bytes]) -> None:
         """Queue a reply and send what the socket takes; drop a client that lets replies pile up."""

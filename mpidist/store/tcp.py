@@ -18,16 +18,19 @@ it. Example (``mpiexec -n 2``)::
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 import weakref
 from datetime import timedelta
 
+from .._auth import JobKey, as_key
 from ..errors import DistNetworkError, DistStoreError
 from . import _protocol as wire
 from ._protocol import Cmd, Status
-from ._tcp_server import StoreServer, adopt_listener, listen, registry
+from ._handshake import HandshakeRefused, NotProven, NotThisProtocol, client_handshake
+from ._tcp_server import SERVICE, StoreServer, adopt_listener, listen, registry
 from .base import MissingKeysError, NotACounterError, Store
 
 __all__ = ["TCPStore"]
@@ -39,21 +42,6 @@ _RETRY_FIRST_S, _RETRY_MAX_S = 0.01, 0.25
 #: the least time a reply may take before the server counts as not answering (seconds): a store
 #: whose timeout is meant for short waits must not give up on a server that is merely busy
 _REPLY_FLOOR_S = 1.0
-#: how many bytes of a foreign peer's answer an error message shows
-_SHOWN_BYTES = 64
-
-
-class _NotAStoreError(Exception):
-    """The peer answered the handshake as no mpidist TCPStore server does.
-
-    ``answer`` is the start of what it sent; ``refusal`` the message of a
-    TCPStore server that refused the handshake (another protocol version).
-    """
-
-    def __init__(self, answer: bytes, refusal: str = "") -> None:
-        super().__init__(answer)
-        self.answer = answer
-        self.refusal = refusal
 
 
 class _Client:
@@ -64,12 +52,13 @@ class _Client:
     ``get`` never holds up the store's other threads. A lock guards the pool.
     """
 
-    def __init__(self, host: str, port: int, timeout: float | None, fn: str) -> None:
+    def __init__(self, host: str, port: int, timeout: float | None, fn: str, key: JobKey | None) -> None:
         self.host, self.port = host, port
+        self.key = key
         self._lock = threading.Lock()
         self._closed = False
         self._lost = ""  # why the connection to the server was lost, once it was
-        self._idle: list[socket.socket] = [_connect(host, port, timeout, fn)]
+        self._idle: list[socket.socket] = [_connect(host, port, timeout, fn, key)]
         self._open: set[socket.socket] = set(self._idle)
 
     def _take(self, fn: str, connect_timeout: float | None) -> socket.socket:
@@ -82,7 +71,7 @@ class _Client:
                 )
             if self._idle:
                 return self._idle.pop()
-        sock = _connect(self.host, self.port, connect_timeout, fn)  # every connection is busy: open another
+        sock = _connect(self.host, self.port, connect_timeout, fn, self.key)  # every connection is busy: open another
         with self._lock:
             if self._closed:
                 sock.close()
@@ -166,16 +155,18 @@ class _Client:
             sock.close()
 
 
-def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.socket:
+def _connect(host: str, port: int, timeout: float | None, fn: str, key: JobKey | None) -> socket.socket:
     """Connect to a TCPStore server, retrying until ``timeout`` (None: forever) passes.
 
     Every address ``host`` resolves to is tried on each round; the server may
     start after the client. A peer that answers the handshake as no mpidist
-    server does (an HTTP or SSH server, say) fails the call at once.
+    server does (an HTTP or SSH server, say), a server that refuses this client,
+    and, with a ``key``, a listener that cannot prove it (another process holds
+    the port) fail the call at once.
 
     Raises:
         DistNetworkError: no connection within the timeout (the last error is
-            named), or the peer is not a mpidist store.
+            named), the peer is not a mpidist store, or the handshake failed.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = _RETRY_FIRST_S
@@ -192,19 +183,11 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
                 sock.settimeout(None if left is None else min(left, 10.0))
                 sock.connect(addr)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _handshake(sock)
+                client_handshake(sock, key, SERVICE, wire.MAGIC, _who() if key else b"")
                 return sock
-            except _NotAStoreError as exc:
+            except (HandshakeRefused, NotProven, NotThisProtocol) as exc:
                 sock.close()
-                if exc.refusal:
-                    raise DistNetworkError(
-                        f"{fn}: the TCPStore server at {host}:{port} refused the handshake ({exc.refusal}); "
-                        "run the same mpidist version in every process"
-                    ) from None
-                raise DistNetworkError(
-                    f"{fn}: the peer at {host}:{port} is not a mpidist store: it answered the handshake with "
-                    f"{exc.answer!r}; check host_name and port (another service listens there)"
-                ) from None
+                raise DistNetworkError(_handshake_failure(fn, host, port, exc)) from None
             except OSError as exc:
                 sock.close()
                 last = exc
@@ -219,6 +202,33 @@ def _connect(host: str, port: int, timeout: float | None, fn: str) -> socket.soc
         pause = min(pause * 2, _RETRY_MAX_S)
 
 
+def _handshake_failure(fn: str, host: str, port: int, exc: Exception) -> str:
+    """The message of a connection whose handshake failed (never names the secret)."""
+    if isinstance(exc, HandshakeRefused):
+        if "protocol mismatch" in str(exc):
+            return (
+                f"{fn}: the TCPStore server at {host}:{port} refused the handshake ({exc}); "
+                "run the same mpidist version in every process"
+            )
+        return f"{fn}: the TCPStore server at {host}:{port} refused this process: {exc}"
+    if isinstance(exc, NotProven):
+        return (
+            f"{fn}: the process listening on {host}:{port} is not this job's store: {exc}. Another process holds "
+            f"port {port} (another user's or another job's); nothing was sent to it. Start the job on a free port "
+            "(MASTER_PORT), and see docs/security.md"
+        )
+    answer = getattr(exc, "answer", b"")
+    return (
+        f"{fn}: the peer at {host}:{port} is not a mpidist store: it answered the handshake with "
+        f"{answer!r}; check host_name and port (another service listens there)"
+    )
+
+
+def _who() -> bytes:
+    """How a client describes itself in the handshake (proved with its key; for the server's log)."""
+    return f"pid={os.getpid()} host={socket.gethostname()}".encode()
+
+
 def _loopback_hint(infos: list) -> str:
     """A sentence for a server address that is loopback here: processes on other hosts never reach it."""
     import ipaddress
@@ -229,46 +239,6 @@ def _loopback_hint(infos: list) -> str:
         " That address is loopback on this host (127.x, ::1; on Debian a host name may resolve to 127.0.1.1): "
         "if the server runs on another host, give its address that other hosts reach (MASTER_ADDR)"
     )
-
-
-def _handshake(sock: socket.socket) -> None:
-    """Send HELLO on a connected socket and check the reply.
-
-    Raises:
-        _NotAStoreError: the peer answered with something else than a TCPStore server's reply.
-        OSError: the connection failed, timed out, or was closed before any answer.
-    """
-    sock.sendall(wire.encode(Cmd.HELLO, [wire.MAGIC]))
-    head = b""
-    while len(head) < wire.LENGTH.size:
-        chunk = sock.recv(wire.LENGTH.size - len(head))
-        if not chunk:
-            if head:
-                raise _NotAStoreError(head)
-            raise ConnectionError("the peer closed the connection during the handshake")
-        head += chunk
-    try:
-        n = wire.frame_length(head, wire.MAX_HELLO_BYTES)
-    except ValueError:
-        raise _NotAStoreError(head + _more(sock)) from None
-    try:
-        status, fields = wire.decode(wire.recv_exact(sock, n))
-    except ValueError:
-        raise _NotAStoreError(head) from None
-    if status == Status.OK and not fields:
-        return
-    if status == Status.ERROR and len(fields) == 1:
-        raise _NotAStoreError(head, fields[0].decode("utf-8", "replace"))
-    raise _NotAStoreError(head)
-
-
-def _more(sock: socket.socket) -> bytes:
-    """Return what the peer sent next, if it comes at once (for an error message)."""
-    try:
-        sock.settimeout(0.05)
-        return sock.recv(_SHOWN_BYTES)
-    except OSError:
-        return b""
 
 
 def _shutdown(client: _Client | None, server: StoreServer | None, shared: bool) -> None:
@@ -294,8 +264,9 @@ class TCPStore(Store):
     store: requests made at the same time travel on separate connections, so a
     thread blocked in ``get`` holds up no other thread.
 
-    **Trusted networks only**: there is no authentication and no encryption;
-    anyone who can reach the port can read and change every key. The server
+    Without ``secret`` (torch's behaviour) there is no authentication: anyone
+    who can reach the port can read and change every key. With one, only
+    processes that hold it get in (there is no encryption). The server
     binds only the address it is given (``127.0.0.1`` stays on the loopback
     interface; a host name is resolved and its first bindable address used;
     ``"0.0.0.0"`` listens on every interface).
@@ -323,6 +294,12 @@ class TCPStore(Store):
             to listen on (it listens on a duplicate; close yours when you like).
             Reserving the port this way avoids races between picking and binding.
         use_libuv: accepted for compatibility with torch, and ignored.
+        secret: the job's secret (bytes or text of at least 16 bytes), mpidist's
+            own: the server then serves only clients that prove they hold it, and
+            a client refuses a server that cannot prove it (a process squatting
+            on the port) at once. Both prove it over fresh nonces; the secret
+            never crosses the wire. None (the default): torch's behaviour, no
+            proof. See docs/security.md.
 
     Raises:
         DistNetworkError: the server cannot listen; no server answered within
@@ -350,9 +327,12 @@ class TCPStore(Store):
         multi_tenant: bool = False,
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
+        *,
+        secret: bytes | str | JobKey | None = None,
     ) -> None:
         fn = "TCPStore"
         super().__init__(timeout)
+        key = as_key(secret, fn)
         if not isinstance(host_name, str):
             raise TypeError(f"{fn}: host_name must be a str, got {type(host_name).__name__}")
         if not host_name:
@@ -383,8 +363,8 @@ class TCPStore(Store):
 
             def create() -> StoreServer:
                 if master_listen_fd is not None:
-                    return StoreServer(adopt_listener(master_listen_fd, port, fn))
-                return StoreServer(listen(host_name, port, fn))
+                    return StoreServer(adopt_listener(master_listen_fd, port, fn), key=key)
+                return StoreServer(listen(host_name, port, fn), key=key)
 
             if multi_tenant:
                 server = registry.acquire(host_name, port, create)
@@ -396,7 +376,7 @@ class TCPStore(Store):
         self._server = server
         wait_s = self._wait_seconds(None, fn)
         try:
-            self._client = _Client(host_name, port, wait_s, fn)
+            self._client = _Client(host_name, port, wait_s, fn, key)
         except BaseException:
             _shutdown(None, server, multi_tenant)
             raise
