@@ -15,13 +15,18 @@ answer). It exits once every rank has finalized MPI or disconnected, or when not
 every rank connected within the timeout.
 
 The server keeps the key-value space MPI fills during start-up, answers the
-rank, size and node layout, and runs the PMI barriers. It trusts its clients:
-like ``TCPStore``, use it on trusted networks only.
+rank, size and node layout, and runs the PMI barriers. It serves only the
+job's processes: each connection starts with the handshake of
+``store/_handshake.py`` (the job's key, given on the server's standard input,
+never on its command line), in which the process also names its rank; a peer
+that cannot prove the key is closed before a PMI line of it is read. The
+process then hands the connected socket to MPICH (``PMI_FD``), so MPI's own
+PMI client talks on a connection that is already proved.
 
 Example (what ``init_process_group`` does; normally not called directly)::
 
-    >>> proc, address = start_server_process("127.0.0.1", 2, ["n0", "n0"], timeout_s=60)
-    >>> env = {"PMI_PORT": address, "PMI_ID": "0"}
+    >>> proc, address = start_server_process("127.0.0.1", 2, ["n0", "n0"], 60, key)
+    >>> env = connect(address, key, rank=0, size=2)   # {"PMI_FD": ..., "PMI_RANK": "0", "PMI_SIZE": "2"}
 """
 
 from __future__ import annotations
@@ -35,7 +40,15 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["PMIServer", "process_mapping", "start_server_process"]
+from .._auth import JobKey, SecretKey
+from ..store._handshake import Acceptor, HandshakeRefused, NotProven, NotThisProtocol, client_handshake, server_handshake
+
+__all__ = ["PMIServer", "process_mapping", "start_server_process", "connect"]
+
+#: the handshake's HELLO payload and service name on the PMI server
+MAGIC, SERVICE = b"mpidist-pmi-1", b"pmi"
+#: how long a connection may take to prove membership before the server closes it (seconds)
+_HANDSHAKE_S = 30.0
 
 
 def process_mapping(hosts: list[str]) -> str:
@@ -73,10 +86,13 @@ class PMIServer:
         host: address to listen on (loopback when every process is on this node).
         size: the number of processes in the world.
         hosts: each rank's host name, in rank order (for the node layout).
+        key: the job's key; None: every process that speaks the handshake is served.
     """
 
-    def __init__(self, host: str, size: int, hosts: list[str]) -> None:
+    def __init__(self, host: str, size: int, hosts: list[str], key: JobKey | None = None) -> None:
         self.size = size
+        self.key = key
+        self.claims: dict[int, list[str]] = {}  # rank -> who claimed it, as each said in its handshake
         # MPICH names its shared-memory segments after the KVS: unique per world, so that a
         # crashed earlier world's leftovers are never attached
         self.kvsname = f"mpidist_{os.getpid()}_{uuid.uuid4().hex[:12]}"
@@ -96,13 +112,34 @@ class PMIServer:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:  # closed
                 return
-            _keep_alive(conn)
-            with self._cond:
-                self._connected += 1
-            threading.Thread(target=self._serve, args=(conn,), name="mpidist-pmi-client", daemon=True).start()
+            threading.Thread(target=self._admit, args=(conn, peer), name="mpidist-pmi-client", daemon=True).start()
+
+    def _admit(self, conn: socket.socket, peer: Any) -> None:
+        """Serve ``conn`` once it has proved membership and named its rank; refuse (and log) it otherwise."""
+        acceptor = Acceptor(self.key, SERVICE, MAGIC, "PMI server")
+        conn.settimeout(_HANDSHAKE_S)
+        rank = -1
+        if server_handshake(conn, acceptor):
+            who = acceptor.who.decode("utf-8", "replace")
+            word = who.split(" ", 1)[0]
+            rank = int(word[5:]) if word.startswith("rank=") and word[5:].isdigit() else -1
+            if not 0 <= rank < self.size:
+                acceptor.refused, acceptor.reason = True, f"it named no rank of the world ({who[:80]!r})"
+        if acceptor.refused or rank < 0:
+            print(f"[mpidist] PMI server: refused a connection from {peer[0]}: {acceptor.reason}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        conn.settimeout(None)
+        _keep_alive(conn)
+        with self._cond:
+            self._connected += 1
+            self.claims.setdefault(rank, []).append(who)
+            self._named.add(rank)
+            self._cond.notify_all()
+        self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         finalized = False
@@ -128,11 +165,7 @@ class PMIServer:
 
     def _answer(self, msg: dict[str, str]) -> str:
         cmd = msg.get("cmd", "")
-        if cmd == "initack":  # the client names itself (PMI_ID): tell it its rank and the size
-            with self._cond:
-                if msg.get("pmiid", "").isdigit():
-                    self._named.add(int(msg["pmiid"]))
-                self._cond.notify_all()
+        if cmd == "initack":  # a client started with PMI_ID (the handshake named it already)
             return f"cmd=initack rc=0\ncmd=set size={self.size}\ncmd=set rank={msg.get('pmiid', 0)}\ncmd=set debug=0\n"
         if cmd == "init":
             return "cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0\n"
@@ -229,24 +262,99 @@ def _keep_alive(conn: socket.socket) -> None:
                 pass
 
 
-def start_server_process(host: str, size: int, hosts: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_server_process(
+    host: str, size: int, hosts: list[str], timeout_s: float, key: JobKey | None = None
+) -> tuple[subprocess.Popen, str]:
     """Start a PMI server in a process of its own; return it and its ``host:port``.
 
-    The server writes its address on its first line of output, then ``connected
-    N`` as each process N > 0 introduces itself (:func:`wait_others_connected`).
+    The job's key reaches the server on its standard input (a command line is
+    visible to every user). The server writes its address on its first line of
+    output, then ``connected N`` as each process N > 0 introduces itself
+    (:func:`wait_others_connected`).
     """
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = f"import sys; sys.path.insert(0, {package_root!r}); from mpidist.launch.pmi import _main; sys.exit(_main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), host, str(size), str(timeout_s), *hosts],
-        stdin=subprocess.DEVNULL,
+        [sys.executable, "-c", code, host, str(size), str(timeout_s), *hosts],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
-    assert proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(_key_line(key))
+    proc.stdin.close()
+    proc._mpidist_size = size  # type: ignore[attr-defined]
     lines = _lines(proc, time.monotonic() + max(timeout_s, 30.0) + 3600.0)
     address = _next_line(lines, time.monotonic() + max(timeout_s, 30.0)) or ""
     if not address:
         raise RuntimeError(f"the PMI server did not start (exit code {proc.poll()})")
     proc._mpidist_lines = lines  # type: ignore[attr-defined]  # the rest of its output, for wait_others_connected
     return proc, address
+
+
+def _key_line(key: JobKey | None) -> bytes:
+    """How the server process learns the job's key: ``none``, ``munge`` or ``hmac <hex>``."""
+    if key is None:
+        return b"none\n"
+    if isinstance(key, SecretKey):
+        return b"hmac " + key.secret.hex().encode() + b"\n"
+    return key.kind.encode() + b"\n"
+
+
+def _key_from_line(line: str) -> JobKey | None:
+    from .._auth import munge_key
+
+    kind, _, value = line.strip().partition(" ")
+    if kind == "hmac":
+        return SecretKey(bytes.fromhex(value))
+    if kind == "munge":
+        key = munge_key()
+        if key is None:
+            raise RuntimeError("munged does not answer")
+        return key
+    return None
+
+
+def connect(address: str, key: JobKey | None, rank: int, size: int, timeout_s: float) -> dict[str, str]:
+    """Connect to the PMI server at ``address``, prove membership, and return MPICH's variables for it.
+
+    The proved connection is handed to MPICH as ``PMI_FD`` (with ``PMI_RANK`` and
+    ``PMI_SIZE``), so MPI never opens an unproved one. Retries while the server
+    refuses connections, until ``timeout_s``.
+
+    Raises:
+        DistNetworkError: the server refused this process, could not prove the
+            job's key (another process holds the port), or did not answer in time.
+    """
+    from ..errors import DistNetworkError
+
+    host, _, port = address.rpartition(":")
+    who = f"rank={rank} host={socket.gethostname()} pid={os.getpid()}".encode()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 1.0))
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise DistNetworkError(f"cannot reach rank 0's PMI server at {address}: {exc}") from None
+            time.sleep(0.05)
+            continue
+        try:
+            client_handshake(sock, key, SERVICE, MAGIC, who)
+        except HandshakeRefused as exc:
+            sock.close()
+            raise DistNetworkError(f"rank 0's PMI server at {address} refused this process: {exc}") from None
+        except (NotProven, NotThisProtocol) as exc:
+            sock.close()
+            raise DistNetworkError(
+                f"the process listening on {address} is not this job's PMI server ({exc or 'not a PMI server'}): "
+                f"another process holds port {port}; see docs/security.md"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise DistNetworkError(f"the handshake with rank 0's PMI server at {address} failed: {exc}") from None
+        sock.settimeout(None)
+        fd = sock.detach()  # MPICH's PMI client reads and writes it from now on
+        return {"PMI_FD": str(fd), "PMI_RANK": str(rank), "PMI_SIZE": str(size)}
 
 
 def _lines(proc: subprocess.Popen, deadline: float):
@@ -278,7 +386,7 @@ def wait_others_connected(proc: subprocess.Popen, timeout_s: float) -> list[int]
     PMI server, none of them needs rank 0's store any more (``MPI_Init`` holds the
     interpreter lock, so the store could not answer them).
     """
-    size = int(proc.args[3])  # type: ignore[index]  # [python, pmi.py, host, size, ...]
+    size = int(proc._mpidist_size)  # type: ignore[attr-defined]
     seen: set[int] = proc.__dict__.setdefault("_mpidist_seen", set())
     lines = proc.__dict__.setdefault("_mpidist_lines", _lines(proc, time.monotonic() + timeout_s))
     deadline = time.monotonic() + timeout_s
@@ -304,7 +412,7 @@ def _next_line(lines: Any, deadline: float) -> str | None:
 def _main(argv: list[str]) -> int:
     host, size, timeout_s, hosts = argv[0], int(argv[1]), float(argv[2]), argv[3:]
     parent = os.getppid()  # rank 0
-    server = PMIServer(host, size, hosts)
+    server = PMIServer(host, size, hosts, _key_from_line(sys.stdin.readline()))
     print(server.address, flush=True)
     others, told = set(range(1, size)), set()
     deadline = time.monotonic() + timeout_s
@@ -333,7 +441,3 @@ def _main(argv: list[str]) -> int:
 
 #: how long the server stays once rank 0 has exited, for the other processes to finish
 _AFTER_RANK0_S = 10.0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

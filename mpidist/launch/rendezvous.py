@@ -26,12 +26,15 @@ import os
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+from .._auth import JobKey, SecretKey, munge_key, secret_from_env
 from .._world import world
+from ..errors import DistBackendError, DistNetworkError
 from .addresses import meeting_address, own_addresses
 from .slurm import slurm_step
 
@@ -40,6 +43,7 @@ __all__ = [
     "plan_from",
     "store_for",
     "launch_free_world",
+    "launch_key",
     "start_world",
     "agent_store_in_use",
     "join_agent_store",
@@ -95,8 +99,11 @@ def plan_from(init_method: str | None, store: Any, claims: list[tuple[str, str, 
     )
 
 
-def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: str) -> Any:
-    """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore; torchrun's agent's)."""
+def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: str, key: JobKey | None = None) -> Any:
+    """Open the store a tcp://, env:// or file:// plan names (rank 0 hosts a TCPStore; torchrun's agent's).
+
+    A TCPStore mpidist opens takes the job's ``key``: only processes that prove it get in.
+    """
     from ..store import FileStore, TCPStore
 
     if plan.scheme == "file":
@@ -108,7 +115,62 @@ def store_for(plan: Plan, rank: int, world_size: int, timeout: timedelta, fn: st
         )
     if plan.scheme == "env" and agent_store_in_use():
         return join_agent_store(plan.host, plan.port, world_size, timeout, fn)
-    return TCPStore(plan.host, plan.port, world_size, rank == 0, timeout, wait_for_workers=False)
+    return TCPStore(plan.host, plan.port, world_size, rank == 0, timeout, wait_for_workers=False, secret=key)
+
+
+def launch_key(fn: str) -> JobKey | None:
+    """The key of a world no MPI launcher forms: ``MPIDIST_SECRET`` (or its file); in an srun step, munge's.
+
+    None where there is neither (the start is not authenticated; rank 0 warns).
+    """
+    secret = secret_from_env(fn)
+    if secret is not None:
+        return SecretKey(secret)
+    if slurm_step() is not None:
+        return munge_key()
+    return None
+
+
+def _warn_unauthenticated(fn: str, plan: Plan) -> None:
+    """Rank 0's one warning that this world's listeners admit any process that reaches them."""
+    where = f"{plan.host}:{plan.port}" if plan.host else "the store"
+    why = (
+        "munged does not answer on this node, and MPIDIST_SECRET is not set"
+        if slurm_step() is not None
+        else "MPIDIST_SECRET is not set"
+    )
+    message = (
+        f"{fn}: this start is not authenticated ({why}): any process that reaches {where} or rank 0's PMI "
+        "server can join the job as one of its ranks and send it data. Give every process the same "
+        "MPIDIST_SECRET (or MPIDIST_SECRET_FILE), or start the job with mpiexec or mpidistrun; see docs/security.md"
+    )
+    _log.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _claim(store: Any, rank: int, me: dict[str, Any], fn: str) -> None:
+    """Take ``rank`` in the store; a second process claiming it fails the start on every rank.
+
+    The first claimant's record stays; a later one raises DistNetworkError naming
+    both, and marks the conflict, so that rank 0 stops the start for everyone.
+    """
+    if int(store.add(f"{_KEY}/claims/{rank}", 1)) == 1:
+        store.set(f"{_KEY}/host/{rank}", json.dumps(me))
+        return
+    first = json.loads(store.get(f"{_KEY}/host/{rank}").decode())
+    message = _conflict_message(fn, rank, first, me)
+    store.set(f"{_KEY}/conflict", message)
+    raise DistNetworkError(message)
+
+
+def _conflict_message(fn: str, rank: int, first: dict[str, Any], second: dict[str, Any]) -> str:
+    def who(p: dict[str, Any]) -> str:
+        return f"host {p.get('host', '?')} pid {p.get('pid', '?')}"
+
+    return (
+        f"{fn}: rank {rank} is claimed by two processes: {who(first)} and {who(second)}; the start is stopped on "
+        "every rank (was a process started twice, or with the wrong RANK?)"
+    )
 
 
 def agent_store_in_use() -> bool:
@@ -159,11 +221,14 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
     loading = _load_mpi_meanwhile()
     if loading is None:
         _require_pmi1(fn)  # decided before anyone meets (loads MPI's library)
+    key = launch_key(fn)
     if store is None:
-        store = store_for(plan, rank, size, timeout, fn)
-    me = {"host": socket.gethostname(), "addresses": own_addresses()}
-    store.set(f"{_KEY}/host/{rank}", json.dumps(me))
+        store = store_for(plan, rank, size, timeout, fn, key)
+    me = {"host": socket.gethostname(), "addresses": own_addresses(), "pid": os.getpid()}
+    _claim(store, rank, me, fn)
     if rank == 0:
+        if key is None:
+            _warn_unauthenticated(fn, plan)
         peers = [json.loads(store.get(f"{_KEY}/host/{r}").decode()) for r in range(size)]
         hosts = [p["host"] for p in peers]
         if len(set(hosts)) == 1:
@@ -174,9 +239,12 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
         if host is None:
             store.set(f"{_KEY}/pmi", "")
             raise RuntimeError(_no_address(fn, hosts))
+        if store.check([f"{_KEY}/conflict"]):
+            store.set(f"{_KEY}/pmi", json.dumps({"conflict": True}))
+            raise DistNetworkError(store.get(f"{_KEY}/conflict").decode())
         from .pmi import start_server_process
 
-        world.pmi_server, address = start_server_process(host, size, hosts, timeout.total_seconds())
+        world.pmi_server, address = start_server_process(host, size, hosts, timeout.total_seconds(), key)
         store.set(f"{_KEY}/pmi", json.dumps({"address": address, "env": _mpi_settings(len(set(hosts)))}))
         step = slurm_step()
         how = (
@@ -192,21 +260,24 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
     if not published:
         raise RuntimeError(_no_address(fn, None))
     meeting = json.loads(published)
+    if meeting.get("conflict"):
+        raise DistNetworkError(store.get(f"{_KEY}/conflict").decode())
     address = meeting["address"]
+    from .pmi import connect
+
+    pmi_env = connect(address, key, rank, size, timeout.total_seconds())
     if rank == 0:
         from .pmi import wait_others_connected
 
         missing = wait_others_connected(world.pmi_server, timeout.total_seconds())
         if missing:
-            from ..errors import DistBackendError
-
             raise DistBackendError(
                 f"{fn}: ranks {missing} of {size} did not reach MPI's start within the timeout of {timeout} "
                 "(they met at the store but never connected to rank 0's PMI server: check that they can reach "
                 "it, and for ranks that failed)"
             )
     settings = {k: v for k, v in meeting["env"].items() if k not in os.environ}  # the user's own choice wins
-    return store, {"PMI_PORT": address, "PMI_ID": str(rank), **settings}
+    return store, {**pmi_env, **settings}
 
 
 def _load_mpi_meanwhile() -> threading.Thread | None:

@@ -242,7 +242,7 @@ class Leftover:
     cmdline: str
 
     def __str__(self) -> str:
-        what = " (mpidist's PMI server)" if "mpidist/launch/pmi.py" in self.cmdline else ""
+        what = " (mpidist's PMI server)" if "mpidist.launch.pmi" in self.cmdline else ""
         return f"{self.host}: pid {self.pid}{what}: {self.cmdline[:200]}"
 
 

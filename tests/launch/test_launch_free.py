@@ -138,11 +138,15 @@ def test_a_library_without_pmi1_is_refused(monkeypatch):
         rendezvous._require_pmi1("init_process_group")
 
 
-def _pmi_client(address: str) -> tuple[Any, Any]:
+def _pmi_client(address: str, rank: int) -> tuple[Any, Any]:
+    """A connection to the PMI server that made the handshake as ``rank`` (no key), then speaks PMI lines."""
     import socket
+
+    from mpidist.store._handshake import client_handshake
 
     host, port = address.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=20)
+    client_handshake(conn, None, pmi.SERVICE, pmi.MAGIC, f"rank={rank} host=h pid=1".encode())
     return conn, conn.makefile("rwb", buffering=0)
 
 
@@ -153,8 +157,8 @@ def test_pmi_barrier_is_released_when_a_process_leaves_without_finalizing():
     server = pmi.PMIServer("127.0.0.1", 2, ["h", "h"])
     problems = []
     try:
-        a, a_stream = _pmi_client(server.address)
-        b, b_stream = _pmi_client(server.address)
+        a, a_stream = _pmi_client(server.address, 0)
+        b, b_stream = _pmi_client(server.address, 1)
         b_stream.write(b"cmd=barrier_in\n")
         a_stream.write(b"cmd=barrier_in\n")
         if a_stream.readline() != b"cmd=barrier_out rc=0\n" or b_stream.readline() != b"cmd=barrier_out rc=0\n":
@@ -182,15 +186,13 @@ def test_rank0_starts_mpi_only_once_every_other_rank_reached_the_pmi_server():
     proc, address = pmi.start_server_process("127.0.0.1", 3, ["h", "h", "h"], timeout_s=30)
     problems, clients = [], []
     try:
-        one = _pmi_client(address)
-        one[1].write(b"cmd=initack pmiid=1\n")
+        one = _pmi_client(address, 1)
         clients.append(one)
         started = time.monotonic()
         missing = pmi.wait_others_connected(proc, 1.5)
         if missing != [2] or time.monotonic() - started < 1.4:
             problems.append(f"with rank 2 absent: missing={missing} after {time.monotonic() - started:.1f} s")
-        two = _pmi_client(address)
-        two[1].write(b"cmd=initack pmiid=2\n")
+        two = _pmi_client(address, 2)
         clients.append(two)
         missing = pmi.wait_others_connected(proc, 10.0)
         if missing:
@@ -218,9 +220,7 @@ def test_pmi_server_leaves_when_rank0_is_gone():
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     server_pid, address = parent.stdout.readline().split()
-    clients = [_pmi_client(address) for _ in range(2)]
-    for rank, (_, stream) in enumerate(clients):
-        stream.write(f"cmd=initack pmiid={rank}\n".encode())
+    clients = [_pmi_client(address, rank) for rank in range(2)]
     parent.kill()  # rank 0 dies; rank 1 stays connected and silent
     parent.wait()
     deadline = time.monotonic() + pmi._AFTER_RANK0_S + 15
