@@ -21,6 +21,7 @@ import os
 import socket
 from typing import Any
 
+from .._auth import SECRET_ENV, new_secret
 from .addresses import meeting_address, own_addresses
 from .environment import free_port
 from .rendezvous import start_world
@@ -35,7 +36,9 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
     initialized if it is not yet). Every process of the communicator must call it.
     ``MASTER_ADDR`` is ``127.0.0.1`` on one node, else rank 0's address (:func:`root_address`);
     ``MASTER_PORT`` is rank 0's ``MASTER_PORT`` if it has one, else a free port
-    there. Nodes are numbered by their lowest rank.
+    there. Nodes are numbered by their lowest rank. ``MPIDIST_SECRET`` is rank 0's
+    (its own, or a fresh one), sent over MPI: the processes a rank starts with this
+    environment can meet without a launcher, and only they (docs/security.md).
     """
     mpi = start_world("torchrun_environment")
     own = comm is None
@@ -52,9 +55,10 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
         proposal = None
         if rank == 0:
             port = os.environ.get("MASTER_PORT", "").strip()
-            proposal = port if port.isdigit() else str(free_port())
+            secret = os.environ.get(SECRET_ENV, "").strip() or new_secret().hex()
+            proposal = (port if port.isdigit() else str(free_port()), secret)
         leaders = sorted(r for r in comm.allgather(rank if local_rank == 0 else None) if r is not None)
-        port = comm.bcast(proposal, root=0)
+        port, secret = comm.bcast(proposal, root=0)  # the secret travels over MPI only
         address = root_address(comm, single_node=len(leaders) == 1)
     finally:
         if own:
@@ -79,6 +83,7 @@ def torchrun_environment(comm: Any = None) -> dict[str, str]:
         "ROLE_NAME": "default",
         "MASTER_ADDR": address,
         "MASTER_PORT": port,
+        SECRET_ENV: secret,
     }
 
 

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .._auth import SECRET_ENV, new_secret
+
 __all__ = ["main", "build_command", "find_launcher"]
 
 _AGENT_ONLY = ("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval")
@@ -173,6 +175,8 @@ def build_command(
     else:
         cmd += ["-n", str(total)] + (["-ppn", str(per_node)] if nodes > 1 else [])
     env = {k: v for k, v in (("MASTER_ADDR", opts.master_addr), ("MASTER_PORT", opts.master_port)) if v is not None}
+    if not os.environ.get(SECRET_ENV, "").strip():  # the job's secret, for a world formed without MPI's launcher
+        env[SECRET_ENV] = new_secret().hex()
     if flavour == "openmpi":  # Open MPI passes on only what -x names (hydra and srun pass everything)
         for var in env:
             cmd += ["-x", var]
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     dry = "--dry-run" in argv
     cmd, env = build_command(argv)
     if dry:
-        print(" ".join([f"{k}={v}" for k, v in env.items()] + cmd))
+        shown = {k: ("<hidden>" if k == SECRET_ENV else v) for k, v in env.items()}
+        print(" ".join([f"{k}={v}" for k, v in shown.items()] + cmd))
         return 0
     try:
         return subprocess.call(cmd, env={**os.environ, **env})

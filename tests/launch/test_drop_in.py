@@ -125,6 +125,10 @@ def test_launcher_environment_reads_each_launchers_variables(environ, expected):
 def test_mpidistrun_builds_each_launchers_command():
     py = sys.executable
     cmd, env = run.build_command(["--nproc-per-node", "3", "train.py", "--lr", "1"], ["mpiexec"], "mpich")
+    secret = env.pop("MPIDIST_SECRET")  # the job's secret, fresh for each job (docs/security.md)
+    assert re.fullmatch("[0-9a-f]{64}", secret) and secret != run.build_command(["t.py"], ["mpiexec"], "mpich")[1][
+        "MPIDIST_SECRET"
+    ]
     assert cmd == ["mpiexec", "-n", "3", py, "-m", "mpidist", "train.py", "--lr", "1"] and env == {}
     cmd, _ = run.build_command(["--nnodes", "2", "--nproc_per_node=4", "-m", "pkg.mod"], ["mpiexec"], "mpich")
     assert cmd == ["mpiexec", "-n", "8", "-ppn", "4", py, "-m", "mpidist", "-m", "pkg.mod"]
@@ -132,8 +136,9 @@ def test_mpidistrun_builds_each_launchers_command():
     assert cmd[:7] == ["srun", "-N", "2", "-n", "8", "--ntasks-per-node", "4"]
     cmd, env = run.build_command(["--standalone", "--nproc-per-node", "2", "--master-port", "1234", "t.py"],
                                  ["mpirun"], "openmpi")  # fmt: skip
-    assert cmd[:4] == ["mpirun", "-n", "2", "--oversubscribe"] and ["-x", "MASTER_PORT"] == cmd[-6:-4]
-    assert env == {"MASTER_PORT": "1234"}
+    assert cmd[:4] == ["mpirun", "-n", "2", "--oversubscribe"]
+    assert cmd[-8:-4] == ["-x", "MASTER_PORT", "-x", "MPIDIST_SECRET"]  # Open MPI passes on only what -x names
+    assert env.pop("MPIDIST_SECRET") and env == {"MASTER_PORT": "1234"}
 
 
 @only_once
