@@ -10,7 +10,8 @@ process has its result (each process prints ``time.time()`` when done). Rows
 
 * mpidist, numpy only, under mpiexec;
 * mpidist (``import mpidist as dist``, ``backend="gloo"``) under mpiexec,
-  launcher-free (plain processes, env://) and torchrun ``--standalone``;
+  launcher-free (plain processes, env://; without and with ``MPIDIST_SECRET``, the
+  proofs of membership of docs/security.md) and torchrun ``--standalone``;
 * torch's gloo (``import torch.distributed as dist``) under torchrun ``--standalone``
   and as plain processes with env://.
 
@@ -54,6 +55,8 @@ PROGRAMS = {
         "stamp(time.time())\ndist.destroy_process_group()\n"
     ),
 }
+#: the launch-free row's job secret (a fixed one: this is a benchmark)
+SECRET = "startup-benchmark-secret-0123456789"
 LAUNCHER_VARS = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "PALS_")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -94,10 +97,10 @@ def ways(files: dict[str, Path], procs: int) -> dict[str, callable]:
     mpiexec = str(Path(py).parent / "mpiexec")
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
 
-    def plain(name: str) -> float:
+    def plain(name: str, **extra: str) -> float:
         port = str(free_port())
         envs = [
-            clean_env(RANK=str(r), WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            clean_env(RANK=str(r), WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra)
             for r in range(procs)
         ]
         return run_job([[py, str(files[name])]] * procs, envs, procs)
@@ -110,6 +113,7 @@ def ways(files: dict[str, Path], procs: int) -> dict[str, callable]:
             [[mpiexec, "-n", str(procs), py, str(files["mpidist"])]], [clean_env()], procs
         ),
         "mpidist, launcher-free (env://)": lambda: plain("mpidist"),
+        "mpidist, launcher-free (env://, MPIDIST_SECRET)": lambda: plain("mpidist", MPIDIST_SECRET=SECRET),
         "mpidist, torchrun --standalone": lambda: run_job([torchrun + [str(files["mpidist"])]], [clean_env()], procs),
         "gloo, torchrun --standalone": lambda: run_job([torchrun + [str(files["gloo"])]], [clean_env()], procs),
         "gloo, plain processes (env://)": lambda: plain("gloo"),

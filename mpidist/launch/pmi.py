@@ -272,10 +272,8 @@ def start_server_process(
     output, then ``connected N`` as each process N > 0 introduces itself
     (:func:`wait_others_connected`).
     """
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = f"import sys; sys.path.insert(0, {package_root!r}); from mpidist.launch.pmi import _main; sys.exit(_main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, host, str(size), str(timeout_s), *hosts],
+        [sys.executable, "-c", _SERVER_MAIN, _PACKAGE_DIR, host, str(size), str(timeout_s), *hosts],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
@@ -289,6 +287,23 @@ def start_server_process(
         raise RuntimeError(f"the PMI server did not start (exit code {proc.poll()})")
     proc._mpidist_lines = lines  # type: ignore[attr-defined]  # the rest of its output, for wait_others_connected
     return proc, address
+
+
+#: the mpidist package's folder
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the server process's program: this module, imported without running the package's ``__init__`` (which
+#: imports numpy and the array layer: 1-2 s on a loaded machine, on every launch-free start's critical path);
+#: the server needs only this module, ``_auth`` and the store's handshake, which import the standard library
+_SERVER_MAIN = (
+    "import sys, types\n"
+    "root = sys.argv.pop(1)\n"
+    "for name, sub in (('mpidist', ''), ('mpidist.store', '/store'), ('mpidist.launch', '/launch')):\n"
+    "    package = types.ModuleType(name)\n"
+    "    package.__path__ = [root + sub]\n"
+    "    sys.modules[name] = package\n"
+    "from mpidist.launch.pmi import _main\n"
+    "sys.exit(_main(sys.argv[1:]))\n"
+)
 
 
 def _key_line(key: JobKey | None) -> bytes:
