@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -160,7 +161,23 @@ def _claim(store: Any, rank: int, me: dict[str, Any], fn: str) -> None:
     first = json.loads(store.get(f"{_KEY}/host/{rank}").decode())
     message = _conflict_message(fn, rank, first, me)
     store.set(f"{_KEY}/conflict", message)
+    store.add(f"{_KEY}/conflicts", 1)
+    store.add(f"{_KEY}/told/{rank}", 1)
     raise DistNetworkError(message)
+
+
+#: how long rank 0 keeps its store for the other ranks to read that the start is stopped (seconds)
+_TELL_S = 10.0
+
+
+def _wait_told(store: Any, size: int, timeout_s: float) -> None:
+    """Wait until ranks 1..size-1 have read why the start stopped (or ``timeout_s`` passes)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(range(1, size))
+    while waiting and time.monotonic() < deadline:
+        waiting = [r for r in waiting if not int(store.add(f"{_KEY}/told/{r}", 0))]
+        if waiting:
+            time.sleep(0.02)
 
 
 def _conflict_message(fn: str, rank: int, first: dict[str, Any], second: dict[str, Any]) -> str:
@@ -239,8 +256,9 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
         if host is None:
             store.set(f"{_KEY}/pmi", "")
             raise RuntimeError(_no_address(fn, hosts))
-        if store.check([f"{_KEY}/conflict"]):
+        if int(store.add(f"{_KEY}/conflicts", 0)):  # add: every store has it (check is not required)
             store.set(f"{_KEY}/pmi", json.dumps({"conflict": True}))
+            _wait_told(store, size, min(timeout.total_seconds(), _TELL_S))  # this store dies with rank 0
             raise DistNetworkError(store.get(f"{_KEY}/conflict").decode())
         from .pmi import start_server_process
 
@@ -261,7 +279,9 @@ def launch_free_world(plan: Plan, store: Any, timeout: timedelta, fn: str) -> tu
         raise RuntimeError(_no_address(fn, None))
     meeting = json.loads(published)
     if meeting.get("conflict"):
-        raise DistNetworkError(store.get(f"{_KEY}/conflict").decode())
+        message = store.get(f"{_KEY}/conflict").decode()
+        store.add(f"{_KEY}/told/{rank}", 1)
+        raise DistNetworkError(message)
     address = meeting["address"]
     from .pmi import connect
 

@@ -2,19 +2,20 @@
 
 On the wire it is frames of ``_protocol.py``::
 
-    client -> HELLO  [magic]                                  (no key: as before)
-    client -> HELLO  [magic, kind, client nonce, who]          (a job key of ``kind``)
-    server -> OK     [server nonce, server's proof]            (it holds the key)
-    client -> HELLO  [client's proof]
-    server -> OK     []                                        (admitted)
+    client -> HELLO  [magic]                              (no key: as before; admitted at once)
+    client -> HELLO  [magic, kind, client nonce]          (a job key of ``kind``, or "none")
+    server -> OK     [server nonce, server's proof]       (its proof is empty where it has no key)
+    client -> HELLO  [client's proof, who]                (its proof is empty where it has no key)
+    server -> OK     []                                   (admitted)
 
-Both proofs are over :func:`mpidist._auth.transcript` of the service, the kind,
-both nonces and ``who`` (the client's description of itself: rank, host, pid),
-so ``who`` is proved too. A server without a key answers the first HELLO with
-``OK []``; a client with a key refuses that answer (the listener cannot prove
-the secret: another process holds the port). A server with a key answers a
-HELLO without one, another kind, or a wrong proof with ``ERROR`` and closes.
-Nothing else a client sends is read before it is admitted.
+The server's proof is over :func:`mpidist._auth.transcript` of the service, the
+kind and both nonces; the client's over that and ``who`` (its description of
+itself: rank, host, pid), so ``who`` is proved too. The client says who it is
+only once the server has proved the key: a squatter on the port learns nothing
+but a random nonce. A client with a key refuses an empty or wrong proof (the
+listener cannot prove the secret: another process holds the port); a server
+with a key answers a HELLO without one, another kind, or a wrong proof with
+``ERROR`` and closes. Nothing else a client sends is read before it is admitted.
 
 :class:`Acceptor` is the server's side as a state machine fed one frame at a
 time (the TCPStore server's selector loop and the PMI server's threads use it);
@@ -76,7 +77,7 @@ def hello_fields(key: JobKey | None, magic: bytes, who: bytes = b"") -> tuple[li
     if key is None and not who:
         return [magic], b""
     nonce = new_nonce()
-    return [magic, (key.kind if key else "none").encode(), nonce, who[:_MAX_WHO]], nonce
+    return [magic, (key.kind if key else "none").encode(), nonce], nonce
 
 
 class Acceptor:
@@ -112,34 +113,34 @@ class Acceptor:
                 f"protocol mismatch: it sent HELLO {got!r}",
                 f"protocol mismatch: the server speaks {self.magic!r}, the client sent HELLO {got!r}",
             )
-        if self.key is None:
-            if len(fields) == 4:
-                self.who = fields[3][:_MAX_WHO]
+        if len(fields) == 1 and self.key is None:  # a plain HELLO: a client without a key or a name
             self.admitted = True
             return Status.OK, []
-        if len(fields) != 4 or len(fields[2]) != NONCE_BYTES:
+        if len(fields) != 3 or len(fields[2]) != NONCE_BYTES or (self.key is not None and fields[1] == b"none"):
             return self._refuse(
                 "it offered no proof of membership",
                 "refused: this listener serves only the processes of its job, which prove the job's secret; this "
                 "client has none (set MPIDIST_SECRET as the job does, or pass secret=)",
             )
         kind = fields[1].decode("ascii", "replace")
-        if kind != self.key.kind:
+        mine = self.key.kind if self.key is not None else "none"
+        if kind != mine and self.key is not None:
             return self._refuse(
-                f"it offered a {kind!r} proof, the job uses {self.key.kind!r}",
-                f"refused: this listener takes {self.key.kind!r} proofs of membership, the client offered {kind!r} "
+                f"it offered a {kind!r} proof, the job uses {mine!r}",
+                f"refused: this listener takes {mine!r} proofs of membership, the client offered {kind!r} "
                 "(start every process of the job the same way)",
             )
-        self.who = fields[3]
         server_nonce = new_nonce()
-        self._transcript = transcript(self.service, kind, fields[2], server_nonce) + b"|" + self.who
-        return Status.OK, [server_nonce, self.key.prove(b"server", self._transcript)]
+        self._transcript = transcript(self.service, kind, fields[2], server_nonce)
+        proof = self.key.prove(b"server", self._transcript) if self.key is not None else b""
+        return Status.OK, [server_nonce, proof]
 
     def _check_proof(self, code: int, fields: list[bytes]) -> tuple[Status, list[bytes]] | None:
-        assert self.key is not None
-        if code == Cmd.HELLO and len(fields) == 1 and self.key.verify(b"client", self._transcript, fields[0]):
-            self.admitted = True
-            return Status.OK, []
+        if code == Cmd.HELLO and len(fields) == 2 and len(fields[1]) <= _MAX_WHO:
+            proved = self._transcript + b"|" + fields[1]
+            if self.key is None or self.key.verify(b"client", proved, fields[0]):
+                self.who, self.admitted = fields[1], True
+                return Status.OK, []
         return self._refuse(
             "its proof of membership is wrong",
             "refused: the proof of membership is wrong (this process does not hold the job's secret)",
@@ -166,18 +167,24 @@ def client_handshake(sock: socket.socket, key: JobKey | None, service: bytes, ma
         raise HandshakeRefused(reply[0].decode("utf-8", "replace"))
     if status != Status.OK:
         raise NotThisProtocol(head)
-    if key is None:
+    if not nonce:  # a plain HELLO
         if reply:
-            raise NotProven("the listener asks for a proof of membership, and this process has no secret")
+            raise NotThisProtocol(head)
         return
-    if not reply:
-        raise NotProven("it admits everyone: it was started without the job's secret")
     if len(reply) != 2 or len(reply[0]) != NONCE_BYTES:
         raise NotThisProtocol(head)
-    proved = transcript(service, key.kind, nonce, reply[0]) + b"|" + fields[3]
-    if not key.verify(b"server", proved, reply[1]):
+    proved = transcript(service, fields[1].decode(), nonce, reply[0])
+    if key is None:
+        if reply[1]:
+            raise NotProven("the listener asks for a proof of membership, and this process has no secret")
+        proof = b""
+    elif not reply[1]:
+        raise NotProven("it admits everyone: it was started without the job's secret")
+    elif not key.verify(b"server", proved, reply[1]):
         raise NotProven("its proof of the job's secret is wrong")
-    sock.sendall(wire.encode(Cmd.HELLO, [key.prove(b"client", proved)]))
+    else:
+        proof = key.prove(b"client", proved + b"|" + who[:_MAX_WHO])
+    sock.sendall(wire.encode(Cmd.HELLO, [proof, who[:_MAX_WHO]]))
     status, reply, head = _answer(sock)
     if status == Status.ERROR and len(reply) == 1:
         raise HandshakeRefused(reply[0].decode("utf-8", "replace"))

@@ -60,9 +60,9 @@ def read_frame(sock: socket.socket) -> tuple[int, list[bytes]]:
     return code, fields
 
 
-def transcript(nonce_c: bytes, nonce_s: bytes, who: bytes) -> bytes:
-    """What both proofs are made over, from the handshake's specification."""
-    return b"mpidist-auth-1|store|hmac|" + nonce_c + nonce_s + b"|" + who
+def transcript(nonce_c: bytes, nonce_s: bytes) -> bytes:
+    """What the server's proof is made over (the client's: this, ``|`` and its ``who``), from the specification."""
+    return b"mpidist-auth-1|store|hmac|" + nonce_c + nonce_s
 
 
 def proof(secret: bytes, role: bytes, message: bytes) -> bytes:
@@ -137,14 +137,13 @@ def test_a_replayed_handshake_is_refused(master):
     """A member's recorded handshake bytes, sent again on a new connection, do not get in (fresh server nonce)."""
     nonce_c, who = os.urandom(32), b"pid=1 host=h"
     first = connect(master.port)
-    first.sendall(frame(HELLO, MAGIC, b"hmac", nonce_c, who))
+    first.sendall(frame(HELLO, MAGIC, b"hmac", nonce_c))
     code, (nonce_s, server_proof) = read_frame(first)
     assert code == OK
-    assert hmac.compare_digest(server_proof, proof(SECRET, b"server", transcript(nonce_c, nonce_s, who)))
-    recorded = frame(HELLO, MAGIC, b"hmac", nonce_c, who) + frame(
-        HELLO, proof(SECRET, b"client", transcript(nonce_c, nonce_s, who))
-    )
-    first.sendall(frame(HELLO, proof(SECRET, b"client", transcript(nonce_c, nonce_s, who))))
+    assert hmac.compare_digest(server_proof, proof(SECRET, b"server", transcript(nonce_c, nonce_s)))
+    client_proof = proof(SECRET, b"client", transcript(nonce_c, nonce_s) + b"|" + who)
+    recorded = frame(HELLO, MAGIC, b"hmac", nonce_c) + frame(HELLO, client_proof, who)
+    first.sendall(frame(HELLO, client_proof, who))
     assert read_frame(first) == (OK, [])  # the member's own connection is admitted
     first.sendall(frame(GET, b"job_key", b"1000"))
     assert read_frame(first) == (OK, [b"mine"])
@@ -160,11 +159,11 @@ def test_a_replayed_handshake_is_refused(master):
 
 
 def test_the_servers_own_proof_reflected_back_is_refused(master):
-    nonce_c, who = os.urandom(32), b""
+    nonce_c = os.urandom(32)
     sock = connect(master.port)
-    sock.sendall(frame(HELLO, MAGIC, b"hmac", nonce_c, who))
+    sock.sendall(frame(HELLO, MAGIC, b"hmac", nonce_c))
     _, (nonce_s, server_proof) = read_frame(sock)
-    sock.sendall(frame(HELLO, server_proof) + frame(SET, b"job_key", b"evil"))
+    sock.sendall(frame(HELLO, server_proof, b"") + frame(SET, b"job_key", b"evil"))
     assert closed_without_reply(sock)
     sock.close()
     assert master.get("job_key") == b"mine"
@@ -210,14 +209,14 @@ def test_a_squatter_that_fakes_the_challenge_learns_nothing_usable():
     listener.close()
     assert len(seen) == 1  # the HELLO with a nonce, nothing after it
     code, fields = seen[0]
-    assert code == HELLO and fields[0] == MAGIC and SECRET not in b"".join(fields)
+    assert code == HELLO and fields[0] == MAGIC and fields[1] == b"hmac" and len(fields) == 3  # no name, no proof
 
 
 def test_a_stalled_handshake_holds_up_no_member(master):
     """Peers that connect and never finish the handshake do not delay the job's own clients."""
     stalled = [connect(master.port) for _ in range(20)]
     for sock in stalled[:10]:
-        sock.sendall(frame(HELLO, MAGIC, b"hmac", os.urandom(32), b""))  # then never the proof
+        sock.sendall(frame(HELLO, MAGIC, b"hmac", os.urandom(32)))  # then never the proof
     start = time.monotonic()
     client = TCPStore("127.0.0.1", master.port, None, False, 10, secret=SECRET)
     assert client.get("job_key") == b"mine"
