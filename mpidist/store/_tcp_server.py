@@ -67,6 +67,8 @@ _ACCEPT_PAUSE_FIRST_S, _ACCEPT_PAUSE_MAX_S = 0.01, 1.0
 _ACCEPT_SKIP = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 #: what the store's proofs of membership name as the service
 SERVICE = b"store"
+#: how long a connection to a server with a key may take to prove membership (seconds)
+HANDSHAKE_S = 30.0
 
 logger = logging.getLogger("mpidist.store")
 
@@ -172,6 +174,9 @@ class StoreServer:
         key: the job's key: every client must prove it holds it before any
             request of its is read (see ``_handshake.py``); None: every client
             that speaks the protocol is served.
+        handshake_s: with a key, close a connection that has not proved
+            membership this many seconds after it was accepted (so that
+            peers that connect and say nothing cannot pile up).
 
     Example::
 
@@ -183,7 +188,12 @@ class StoreServer:
     """
 
     def __init__(
-        self, listener: socket.socket, *, max_queued_bytes: int = MAX_QUEUED_BYTES, key: JobKey | None = None
+        self,
+        listener: socket.socket,
+        *,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        key: JobKey | None = None,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         if not isinstance(max_queued_bytes, int) or isinstance(max_queued_bytes, bool):
             raise TypeError(f"StoreServer: max_queued_bytes must be an int, got {type(max_queued_bytes).__name__}")
@@ -191,6 +201,8 @@ class StoreServer:
             raise ValueError(f"StoreServer: max_queued_bytes must be positive, got {max_queued_bytes}")
         self._max_queued = max_queued_bytes
         self._key = key
+        self._handshake_s = handshake_s
+        self._unproved: deque[tuple[float, _Conn]] = deque()  # (deadline, connection) in accept order
         self._listener = listener
         self._listener.setblocking(False)
         self.address: tuple[str, int] = tuple(listener.getsockname()[:2])  # type: ignore[assignment]
@@ -257,6 +269,7 @@ class StoreServer:
             while not self._stopping:
                 self._dispatch(self._sel.select(self._next_timeout()))
                 self._expire()
+                self._close_unproved()
                 if self._accept_at is not None and time.monotonic() >= self._accept_at:
                     self._resume_accepting()
                 while self._resume:
@@ -301,6 +314,8 @@ class StoreServer:
             heapq.heappop(self._deadlines)
             self._done_in_heap -= 1
         wake = [self._deadlines[0][0]] if self._deadlines else []
+        if self._unproved:
+            wake.append(self._unproved[0][0])
         if self._accept_at is not None:
             wake.append(self._accept_at)
         # capped: a far deadline (a client's wait of a year) would overflow poll()'s int of milliseconds
@@ -334,7 +349,21 @@ class StoreServer:
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             conn = _Conn(sock, peer, Acceptor(self._key, SERVICE, wire.MAGIC))
             self._conns.add(conn)
+            if self._key is not None:
+                self._unproved.append((time.monotonic() + self._handshake_s, conn))
             self._sel.register(sock, _READ, conn)
+
+    def _close_unproved(self) -> None:
+        """Close the connections that have not proved membership within the handshake's time (logged)."""
+        now = time.monotonic()
+        while self._unproved and (self._unproved[0][1].hello or self._unproved[0][1].closed or self._unproved[0][0] <= now):
+            _, conn = self._unproved.popleft()
+            if not conn.hello and not conn.closed:
+                logger.warning(
+                    "TCPStore server on port %d: closed a connection from %s that did not prove membership within "
+                    "%g s", self.address[1], conn.peer, self._handshake_s,
+                )  # fmt: skip
+                self._drop(conn)
 
     def _pause_accepting(self, exc: OSError) -> None:
         """Stop listening for a while (doubling from 10 ms to 1 s), so a failing accept() does not spin."""

@@ -271,3 +271,24 @@ def test_the_secret_is_never_in_a_repr_or_message(master):
         TCPStore("127.0.0.1", master.port, None, False, 10, secret=b"another-job-secret-0123456789")
     except DistNetworkError as exc:
         assert SECRET.decode() not in str(exc) and "another-job-secret" not in str(exc)
+
+
+def test_a_connection_that_never_proves_membership_is_closed_in_time(caplog):
+    """Peers that connect and say nothing cannot pile up: each is closed after the handshake's time (logged)."""
+    from mpidist._auth import SecretKey
+    from mpidist.store._tcp_server import StoreServer, listen
+
+    server = StoreServer(listen("127.0.0.1", 0, "test"), key=SecretKey(SECRET), handshake_s=0.3)
+    server.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mpidist.store"):
+            silent = [connect(server.port) for _ in range(5)]
+            start = time.monotonic()
+            assert all(closed_without_reply(sock) for sock in silent)
+            assert 0.2 < time.monotonic() - start < 3.0
+        assert caplog.text.count("did not prove membership within 0.3 s") == 5
+        assert len(server.connection_stats()) == 0
+    finally:
+        server.stop()
+        for sock in silent:
+            sock.close()
