@@ -3,11 +3,13 @@
 Layout (format version 2)::
 
     b"mpidist-filestore-2\\n"
-    a HEADER record: key "", value JSON {"format", "world_size", "created", "host", "pid", "id"},
+    a HEADER record: key "", value JSON {"format", "world_size", "created", "host", "pid", "id", "tag"},
         padded with spaces so that the magic and the header take HEADER_SIZE (512) bytes
     SET / APPEND / META records, in the order they were written
 
-``id`` is a random world id drawn by the store that creates the file. The META
+``id`` is a random world id drawn by the store that creates the file; ``tag``
+is its job's world tag (see :func:`world_tag`; "" without a job secret, and
+absent from files made before it was added). The META
 records hold integer counters: ``users``, ``joined`` and ``closed`` (stores) and
 one ``process/[host, boot id, pid namespace, pid, start time]`` counter per
 process of a fixed-size world (its open stores); see below for how they tell
@@ -47,11 +49,25 @@ and the start time in ``/proc/<pid>/stat`` tell whether the process still
 runs (a pid reused by another process, or a zombie, counts as dead); on another
 host nothing can be told, and the process counts as running.
 
-The rule of ``FileStore``. The header holds a random world id drawn by the
-store that creates the file, and the ``world_size`` it was made for. A store
-of a fixed ``world_size`` that opens the file is refused with DistStoreError,
-before it reads or writes a key, when (:func:`judge_newcomer` decides the second to
-fourth for a process not recorded yet):
+The world tag. A process whose environment holds the job's secret
+(``MPIDIST_SECRET`` or ``MPIDIST_SECRET_FILE``: ``mpidistrun`` gives each job a
+fresh one, ``python -m mpidist`` hands rank 0's to every rank) has a **world
+tag**, an HMAC of a fixed label under that secret (never the secret itself);
+without one its tag is "". Processes of one job have the same tag, processes
+of two jobs with different secrets do not, whenever each opens the file. A
+store of any ``world_size`` (negative ones too) whose tag is not the file's is
+refused, before it reads or writes a key, while a process of the file's world
+holds a store on it (or an open store is not accounted for by a recorded
+process): **another world uses the file**. When none does (the other world
+closed its stores, or its processes all died) the file is started afresh with
+a new world id and this store's tag, with a warning, so the newcomer never
+reads the other world's keys.
+
+The rule of ``FileStore``, for a store whose tag is the file's. The header holds a
+random world id drawn by the store that creates the file, and the ``world_size`` it
+was made for. A store of a fixed ``world_size`` that opens the file is refused with
+DistStoreError, before it reads or writes a key, when (:func:`judge_newcomer` decides
+the second to fourth for a process not recorded yet):
 
 * the file was made for another ``world_size``;
 * its process is not recorded yet and ``world_size`` processes are: the file
@@ -82,11 +98,17 @@ world finished and removed the file (a **late joiner**) finds no file, so it
 makes a new one, alone; nothing on disk says a world used the path, and a
 new job may rightly reuse it. Its ``get``/``wait`` then time out saying that
 only 1 of ``world_size`` ranks joined, and that the others may have finished
-before it came. Likewise, two worlds that start on one path at the same time
-are told apart only once ``world_size`` processes joined: the processes beyond
-that are refused, but one that came before may have read the other world's
-keys. Stores of ``world_size < 0`` join any file without these checks (as in
-torch, the file is then kept and reused). Give each job a path of its own.
+before it came. A late joiner while its world still holds the file (same
+tag, not all ``world_size`` processes recorded yet) joins as usual.
+
+Two worlds **with the same tag** (both without a job secret, or given the same
+one) that start on one path at the same time cannot be told apart: the file
+holds nothing that says whether the first two processes to arrive are ranks
+of one world or of two. They are told apart only once ``world_size``
+processes joined: the processes beyond that are refused, but one that came
+before may have read the other world's keys, and stores of ``world_size < 0``
+join any file of their tag without these checks (as in torch, the file is then
+kept and reused). Give each job a path of its own, or a secret of its own.
 
 Example::
 
@@ -107,6 +129,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from .._auth import SecretKey, secret_from_env
 
 __all__ = [
     "MAGIC",
@@ -131,7 +155,10 @@ __all__ = [
     "parse_process_key",
     "alive",
     "judge_newcomer",
+    "holders",
     "show_process",
+    "world_tag",
+    "describe_tags",
 ]
 
 #: the format version this module reads and writes
@@ -193,8 +220,8 @@ def encode(offset: int, records: Sequence[Record]) -> bytes:
     return b"".join(parts)
 
 
-def new_file(world_size: int) -> bytes:
-    """Return the first bytes of a new store file made for ``world_size`` users."""
+def new_file(world_size: int, tag: str = "") -> bytes:
+    """Return the first bytes of a new store file made for ``world_size`` users of world tag ``tag``."""
     info = {
         "format": VERSION,
         "world_size": world_size,
@@ -202,6 +229,7 @@ def new_file(world_size: int) -> bytes:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "id": secrets.token_hex(8),  # tells this file from one made later at the same path
+        "tag": tag,  # tells this job's processes from another job's (world_tag)
     }
     value = json.dumps(info).encode("utf-8")
     room = HEADER_SIZE - len(MAGIC) - HEAD.size
@@ -447,10 +475,64 @@ def judge_newcomer(counts: dict[Identity, int], world_size: int) -> tuple[str, l
         processes that died with stores open, running those with stores open
         that run or cannot be told about.
     """
-    crashed = [p for p, n in counts.items() if n > 0 and alive(p) is False]
-    running = [p for p, n in counts.items() if n > 0 and p not in crashed]
+    crashed, running = holders(counts)
     if crashed:
         return ("broken" if running else "take over"), crashed, running
     if len(counts) >= world_size:
         return "full", crashed, running
     return "join", crashed, running
+
+
+def holders(counts: dict[Identity, int]) -> tuple[list[Identity], list[Identity]]:
+    """Split the recorded processes with stores open into those that died and those that run.
+
+    Args:
+        counts: the open stores of each recorded process.
+
+    Returns:
+        (crashed, running): running also holds the processes that cannot be told about (another host).
+    """
+    crashed = [p for p, n in counts.items() if n > 0 and alive(p) is False]
+    running = [p for p, n in counts.items() if n > 0 and p not in crashed]
+    return crashed, running
+
+
+# ---------------------------------------------------------------------------------------------
+# which job a process belongs to: the world tag
+# ---------------------------------------------------------------------------------------------
+
+#: what the world tag is an HMAC of (under the job's secret); no handshake proves this message
+_TAG_ROLE, _TAG_LABEL = b"filestore", b"mpidist-filestore-world-tag-1"
+
+
+def world_tag(fn: str) -> str:
+    """Return this process's world tag: 32 hex digits derived from the job's secret, or "" without one.
+
+    The secret comes from ``MPIDIST_SECRET`` or ``MPIDIST_SECRET_FILE``. The tag
+    is an HMAC-SHA256 of a fixed label under it, so the file never holds the
+    secret, and the tag proves nothing in a handshake.
+
+    Args:
+        fn: the function to name in an error.
+
+    Raises:
+        ValueError: the secret in the environment is too short, or its file cannot be read safely.
+
+    Example::
+
+        >>> len(world_tag("FileStore")) in (0, 32)  # 0 where MPIDIST_SECRET is not set
+        True
+    """
+    secret = secret_from_env(fn)
+    if secret is None:
+        return ""
+    return SecretKey(secret).prove(_TAG_ROLE, _TAG_LABEL).hex()[:32]
+
+
+def describe_tags(file_tag: str, my_tag: str) -> str:
+    """Say how the file's world tag and this process's differ (they must differ), for a message."""
+    if file_tag and my_tag:
+        return "its world's job secret (MPIDIST_SECRET) is not this process's"
+    if file_tag:
+        return "its world has a job secret (MPIDIST_SECRET) and this process has none"
+    return "its world has no job secret and this process has one (MPIDIST_SECRET)"

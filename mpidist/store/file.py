@@ -20,12 +20,18 @@ Each store registers as a user of the file when created and unregisters on
 ``world_size``, the user that closes last, once ``world_size`` users have
 closed, removes the file, so a new store on the same path starts empty.
 
-Which world a file belongs to: the header holds a random world id and the
-``world_size``; fixed-size stores record their processes. Another world's file,
-a truncated header, a file replaced under a running world are refused with
-DistStoreError; a file whose processes all died (a killed job) is started
-afresh. The rule, and what it cannot tell (a late joiner), are in
-``_filelog.py``.
+Which world a file belongs to: the header holds a random world id, the
+``world_size`` and the world tag of the job's secret (``MPIDIST_SECRET``);
+fixed-size stores record their processes. A file in use by a job with another
+secret, another world's file, a truncated header, a file replaced under a
+running world are refused with DistStoreError; a file whose processes all died
+(a killed job) is started afresh. The rule, and what it cannot tell (a late
+joiner, two jobs with the same secret or none), are in ``_filelog.py``.
+
+Permissions: the file is the store's only protection. It is created with mode
+0600 whatever the umask, opened without following a symbolic link, and refused
+(before anything is read from or written to it) when it is not a regular file,
+another user owns it, or its group or others may read or write it.
 
 Example (``mpiexec -n 2``, every rank)::
 
@@ -40,6 +46,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import pwd
+import stat
 import threading
 import time
 import weakref
@@ -83,15 +91,28 @@ def _read(fd: int, start: int, end: int) -> bytes:
     return b"".join(chunks)
 
 
-def _open_locked(path: str) -> int:
-    """Open (creating) ``path`` and return its descriptor holding an exclusive flock.
+#: how a store file is opened: never through a symbolic link; O_NONBLOCK so a planted FIFO cannot hang the open
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+#: the mode of every store file: the user's alone
+_MODE = 0o600
+
+
+def _open_locked(path: str, fn: str) -> int:
+    """Open (creating, mode 0600) ``path``, check it is the user's alone, and return it holding an exclusive flock.
 
     If the last user removed the file between our open and our lock, open again,
-    so that we never join a file that is no longer at ``path``.
+    so that we never join a file that is no longer at ``path``. The mode bits
+    are checked later (:meth:`_FileState.join`), once the file is known to be a
+    FileStore file.
+
+    Raises:
+        DistStoreError: the file cannot be opened, is a symbolic link or not a regular file, or another user owns it.
     """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        fd = _open_file(path, fn)
         try:
+            _refuse_foreign(fd, path, fn)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if _is_at_path(fd, path):
                 return fd
@@ -101,13 +122,118 @@ def _open_locked(path: str) -> int:
         os.close(fd)
 
 
+def _open_file(path: str, fn: str) -> int:
+    """Create ``path`` with mode 0600 (whatever the umask), or open the file there; never follow a symbolic link."""
+    while True:
+        try:
+            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, _MODE)
+        except FileExistsError:
+            pass  # a file (or a link) is there: open it, below
+        except OSError as exc:
+            raise DistStoreError(_open_failed(path, fn, exc)) from exc
+        else:
+            try:
+                os.fchmod(fd, _MODE)  # the umask may have cleared bits the user needs; it never adds any
+            except OSError:
+                pass  # a file system without modes: the check of the mode says so
+            return fd
+        try:
+            return os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            continue  # removed between the two opens (its last user closed): create it
+        except OSError as exc:
+            raise DistStoreError(_open_failed(path, fn, exc)) from exc
+
+
+def _open_failed(path: str, fn: str, exc: OSError) -> str:
+    """Say why ``path`` could not be opened: a symbolic link, another user's file, or ``exc``."""
+    try:
+        there = os.lstat(path)
+    except OSError:
+        there = None
+    if there is not None and stat.S_ISLNK(there.st_mode):
+        try:
+            target = f" to {os.readlink(path)!r}"
+        except OSError:
+            target = ""
+        return (
+            f"{fn}: {path!r} is a symbolic link{target}: FileStore does not follow a link at the file's own name "
+            "(another user may have planted it to make the store read or write a file of their choosing); "
+            "pass the real path, or remove the link"
+        )
+    if there is not None and isinstance(exc, PermissionError) and there.st_uid != os.geteuid():
+        return _foreign_owner(path, fn, there.st_uid)
+    return f"{fn}: cannot open {path!r}: {exc}"
+
+
+def _user(uid: int) -> str:
+    """Name ``uid`` for a message: ``alice (uid 1000)``, or ``uid 1000`` where it has no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def _foreign_owner(path: str, fn: str, owner: int) -> str:
+    return (
+        f"{fn}: {path!r} is owned by {_user(owner)}, not by this process's user {_user(os.geteuid())}: "
+        "whoever owns the file can read and change the store's keys; use a path in a directory only you can write "
+        "(not a shared /tmp), or have its owner remove the file"
+    )
+
+
+def _refuse_foreign(fd: int, path: str, fn: str) -> None:
+    """Raise DistStoreError unless the open file ``fd`` is a regular file owned by this process's user."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise DistStoreError(
+            f"{fn}: {path!r} is not a regular file (mode {stat.filemode(info.st_mode)}, owner {_user(info.st_uid)}); "
+            "use a path where FileStore can make a file of its own, or remove what is there"
+        )
+    if info.st_uid != os.geteuid():
+        raise DistStoreError(_foreign_owner(path, fn, info.st_uid))
+
+
+def _refuse_loose_mode(fd: int, path: str, fn: str) -> None:
+    """Raise DistStoreError if the group or others may read or write the open file ``fd``."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if not mode & 0o066:
+        return
+    who = [
+        f"{name} can {' and '.join(what for what, bit in (('read', 4), ('write', 2)) if mode >> shift & bit)} it"
+        for name, shift in (("its group", 3), ("others", 0))
+        if mode >> shift & 6
+    ]
+    raise DistStoreError(
+        f"{fn}: {path!r} has mode {mode:04o}: {' and '.join(who)}, so other users could read or change the "
+        f"store's keys; FileStore makes its files with mode 0600: if the file is yours to reuse, "
+        f"chmod 600 {path!r}, or remove it"
+    )
+
+
 def _is_at_path(fd: int, path: str) -> bool:
     mine = os.fstat(fd)
     try:
-        there = os.stat(path)
+        there = os.lstat(path)
     except FileNotFoundError:
         return False
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _peek_info(path: str) -> dict[str, Any] | None:
+    """The header's fields of the file at ``path`` for a message, or None (not a link, FIFO, or unreadable file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return log.read_header(os.pread(fd, log.HEADER_SIZE * 2, 0))[1]
+    except (OSError, log.LogError, log.OtherFormatError, log.TornHeaderError):
+        return None
+    finally:
+        os.close(fd)
 
 
 class _FileState:
@@ -118,9 +244,10 @@ class _FileState:
     lock and a flock held.
     """
 
-    def __init__(self, path: str, world_size: int) -> None:
+    def __init__(self, path: str, world_size: int, tag: str) -> None:
         self.path = path
         self.world_size = world_size
+        self.tag = tag  # this process's world tag (log.world_tag)
         self.lock = threading.Lock()  # one thread at a time on the descriptor
         self.fd: int | None = None
         self.header = b""  # the magic and header record, as read when joining
@@ -172,6 +299,7 @@ class _FileState:
             ) from None
         except log.LogError as exc:
             raise DistStoreError(self._damaged(fn, exc)) from None
+        _refuse_loose_mode(fd, self.path, fn)  # after the format: a file that is not a store's says so first
         if not data:
             self.start_afresh(fn)
             return
@@ -180,7 +308,7 @@ class _FileState:
 
     def start_afresh(self, fn: str) -> None:
         """Make the (empty, or cut to empty) file a new one, of a new world, and forget what was read."""
-        data = log.new_file(self.world_size)
+        data = log.new_file(self.world_size, self.tag)
         self.append_raw(fn, 0, data)
         start, info = log.read_header(data)
         self.header, self.info, self.offset = data[:start], info, start
@@ -215,7 +343,7 @@ class _FileState:
     def check_path(self, fn: str) -> None:
         """Raise DistStoreError if the path no longer names the file this store joined."""
         try:
-            there = os.stat(self.path)
+            there = os.lstat(self.path)
         except FileNotFoundError:
             there = None
         if there is not None and (there.st_dev, there.st_ino) == self.inode:
@@ -225,12 +353,9 @@ class _FileState:
             found = "nothing is there now"
         else:
             found = f"it now names another file (inode {there.st_ino})"
-            try:
-                with open(self.path, "rb") as f:
-                    _, info = log.read_header(f.read(log.HEADER_SIZE * 2))
+            info = _peek_info(self.path)
+            if info is not None:
                 found += f" of world id {info.get('id', '?')} ({log.describe(info)})"
-            except (OSError, log.LogError, log.OtherFormatError, log.TornHeaderError):
-                pass
         raise DistStoreError(
             f"{fn}: {self.path!r} was removed or replaced while this store used {mine}: {found}; stores that "
             f"open the path now do not meet this one, so this world cannot go on; {_ADVICE}"
@@ -336,6 +461,8 @@ class _FileState:
 
     def register(self, fn: str) -> None:
         """Refuse a file of another world, then join as one more user (an exclusive flock is held)."""
+        if self.info.get("tag", "") != self.tag:
+            self.claim(fn)
         made_for = self.info.get("world_size", -1)
         made = log.describe(self.info)
         if made_for > 0 and self.world_size > 0 and made_for != self.world_size:
@@ -360,6 +487,46 @@ class _FileState:
             self.counted = log.process_key(log.this_process())
             changes[self.counted] = 1
         self.bump(fn, changes)
+
+    def claim(self, fn: str) -> None:
+        """Take over the file of a world with another tag if none of its stores is open; else refuse it.
+
+        Raises:
+            DistStoreError: a store of that world is open (its process runs, or cannot be told about).
+        """
+        crashed, holding = self.open_stores()
+        made = f"world id {self.world_id}, {log.describe(self.info)}"
+        why = log.describe_tags(str(self.info.get("tag", "")), self.tag)
+        if holding:
+            raise DistStoreError(
+                f"{fn}: {self.path!r} is in use by another world ({made}; stores open on it: {', '.join(holding)}): "
+                f"{why}, so this process is not one of its ranks and may not read its keys; give each job a "
+                "path of its own (or wait until that job is over, or remove the file if it is over)"
+            )
+        gone = ", ".join(log.show_process(p) for p in crashed) + " died" if crashed else "they were closed"
+        logger.warning(
+            "FileStore: %r was left by another world (%s; %s; none of its stores is open: %s); starting it afresh",
+            self.path,
+            made,
+            why,
+            gone,
+        )
+        self.truncate(fn, 0)
+        self.start_afresh(fn)
+
+    def open_stores(self) -> tuple[list[log.Identity], list[str]]:
+        """Return the recorded processes that died with stores open, and who else holds stores open (for a message).
+
+        Stores of ``world_size < 0`` do not record their process; the ``users``
+        counter beyond what recorded processes hold counts them.
+        """
+        members = self.members()
+        crashed, running = log.holders(members)
+        holding = [log.show_process(p) for p in running]
+        unknown = self.meta.get(_USERS, 0) - sum(n for n in members.values() if n > 0)
+        if unknown > 0:
+            holding.append(f"{unknown} of world_size=-1, whose processes the file does not record")
+        return crashed, holding
 
     def admit(self, fn: str) -> None:
         """Refuse a process that is not one of the file's world; take over a crashed job's file."""
@@ -434,15 +601,26 @@ class FileStore(Store):
     and then cut off; a write that fails is taken back. Damage that cannot be
     repaired raises DistStoreError naming the file and the byte offset.
 
+    The file is the store's only protection: it is made with mode 0600, and a
+    symbolic link, another user's file, or a file its group or others may read
+    or write is refused. Processes of two jobs with different secrets
+    (``MPIDIST_SECRET``, which ``mpidistrun`` gives each job) never share a file:
+    the second job is refused while the first uses it.
+
     Args:
-        file_name: path of the file (created if missing; its directory must exist).
+        file_name: path of the file (created if missing, mode 0600; its directory must exist: put it in a
+            directory only you can write, not a shared /tmp).
         world_size: how many stores will use the file, in all processes; the
             file is removed when that many have closed and none is open. A
             negative value (default -1) means "not fixed": the file is kept.
         timeout: the store's timeout (timedelta or seconds; default 300 s).
 
     Raises:
-        DistStoreError: the file cannot be opened or written; it holds something
+        ValueError: ``MPIDIST_SECRET`` (or the file ``MPIDIST_SECRET_FILE`` names) holds a secret that is too
+            short, or others can read that file.
+        DistStoreError: the file cannot be opened or written; it is a symbolic
+            link, not a regular file, another user's, or its group or others may
+            read or write it; a job with another secret uses it; it holds something
             else, another format version, a truncated header, or damage; it was
             made for another ``world_size``; it belongs to another world (its
             ``world_size`` processes joined, or some died while others run); or
@@ -473,9 +651,9 @@ class FileStore(Store):
             raise ValueError(
                 "FileStore: world_size must be positive, or negative for a non-fixed number of users, got 0"
             )
-        self._state = _FileState(os.path.abspath(path), world_size)
+        self._state = _FileState(os.path.abspath(path), world_size, log.world_tag("FileStore"))
         try:
-            fd = _open_locked(self._state.path)
+            fd = _open_locked(self._state.path, "FileStore")
         except OSError as exc:
             raise DistStoreError(f"FileStore: cannot open {self._state.path!r}: {exc}") from exc
         state = self._state
