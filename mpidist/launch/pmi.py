@@ -41,7 +41,14 @@ import uuid
 from typing import Any
 
 from .._auth import JobKey, SecretKey
-from ..store._handshake import Acceptor, HandshakeRefused, NotProven, NotThisProtocol, client_handshake, server_handshake
+from ..store._handshake import (
+    Acceptor,
+    HandshakeRefusedError,
+    NotProvenError,
+    NotThisProtocolError,
+    client_handshake,
+    server_handshake,
+)
 
 __all__ = ["PMIServer", "process_mapping", "start_server_process", "connect"]
 
@@ -355,10 +362,10 @@ def connect(address: str, key: JobKey | None, rank: int, size: int, timeout_s: f
             continue
         try:
             client_handshake(sock, key, SERVICE, MAGIC, who)
-        except HandshakeRefused as exc:
+        except HandshakeRefusedError as exc:
             sock.close()
             raise DistNetworkError(f"rank 0's PMI server at {address} refused this process: {exc}") from None
-        except (NotProven, NotThisProtocol) as exc:
+        except (NotProvenError, NotThisProtocolError) as exc:
             sock.close()
             raise DistNetworkError(
                 f"the process listening on {address} is not this job's PMI server ({exc or 'not a PMI server'}): "

@@ -42,9 +42,9 @@ from ._protocol import Cmd, Status
 
 __all__ = [
     "Acceptor",
-    "HandshakeRefused",
-    "NotProven",
-    "NotThisProtocol",
+    "HandshakeRefusedError",
+    "NotProvenError",
+    "NotThisProtocolError",
     "hello_fields",
     "client_handshake",
     "server_handshake",
@@ -56,15 +56,15 @@ _MAX_WHO = 512
 _SHOWN_BYTES = 64
 
 
-class HandshakeRefused(Exception):
+class HandshakeRefusedError(Exception):
     """The server refused this client (its ERROR message is the argument)."""
 
 
-class NotProven(Exception):
+class NotProvenError(Exception):
     """The peer answered as a mpidist listener, but did not prove the job's key (the reason is the argument)."""
 
 
-class NotThisProtocol(Exception):
+class NotThisProtocolError(Exception):
     """The peer's answer is no frame of this protocol (``answer``: the start of what it sent)."""
 
     def __init__(self, answer: bytes) -> None:
@@ -155,61 +155,61 @@ def client_handshake(sock: socket.socket, key: JobKey | None, service: bytes, ma
     """Prove membership to the listener on ``sock`` and check its proof (blocking).
 
     Raises:
-        HandshakeRefused: the listener refused this client (its message is the argument).
-        NotProven: the listener answered, but cannot prove the job's key.
-        NotThisProtocol: the peer is no mpidist listener (``answer`` holds what it sent).
+        HandshakeRefusedError: the listener refused this client (its message is the argument).
+        NotProvenError: the listener answered, but cannot prove the job's key.
+        NotThisProtocolError: the peer is no mpidist listener (``answer`` holds what it sent).
         OSError: the connection failed, timed out or closed before any answer.
     """
     fields, nonce = hello_fields(key, magic, who)
     sock.sendall(wire.encode(Cmd.HELLO, fields))
     status, reply, head = _answer(sock)
     if status == Status.ERROR and len(reply) == 1:
-        raise HandshakeRefused(reply[0].decode("utf-8", "replace"))
+        raise HandshakeRefusedError(reply[0].decode("utf-8", "replace"))
     if status != Status.OK:
-        raise NotThisProtocol(head)
+        raise NotThisProtocolError(head)
     if not nonce:  # a plain HELLO
         if reply:
-            raise NotThisProtocol(head)
+            raise NotThisProtocolError(head)
         return
     if len(reply) != 2 or len(reply[0]) != NONCE_BYTES:
-        raise NotThisProtocol(head)
+        raise NotThisProtocolError(head)
     proved = transcript(service, fields[1].decode(), nonce, reply[0])
     if key is None:
         if reply[1]:
-            raise NotProven("the listener asks for a proof of membership, and this process has no secret")
+            raise NotProvenError("the listener asks for a proof of membership, and this process has no secret")
         proof = b""
     elif not reply[1]:
-        raise NotProven("it admits everyone: it was started without the job's secret")
+        raise NotProvenError("it admits everyone: it was started without the job's secret")
     elif not key.verify(b"server", proved, reply[1]):
-        raise NotProven("its proof of the job's secret is wrong")
+        raise NotProvenError("its proof of the job's secret is wrong")
     else:
         proof = key.prove(b"client", proved + b"|" + who[:_MAX_WHO])
     sock.sendall(wire.encode(Cmd.HELLO, [proof, who[:_MAX_WHO]]))
     status, reply, head = _answer(sock)
     if status == Status.ERROR and len(reply) == 1:
-        raise HandshakeRefused(reply[0].decode("utf-8", "replace"))
+        raise HandshakeRefusedError(reply[0].decode("utf-8", "replace"))
     if status != Status.OK or reply:
-        raise NotThisProtocol(head)
+        raise NotThisProtocolError(head)
 
 
 def _answer(sock: socket.socket) -> tuple[int, list[bytes], bytes]:
-    """One handshake frame from ``sock`` and its first bytes; NotThisProtocol if what comes is not one."""
+    """One handshake frame from ``sock`` and its first bytes; NotThisProtocolError if what comes is not one."""
     head = b""
     while len(head) < wire.LENGTH.size:
         chunk = sock.recv(wire.LENGTH.size - len(head))
         if not chunk:
             if head:
-                raise NotThisProtocol(head)
+                raise NotThisProtocolError(head)
             raise ConnectionError("the peer closed the connection during the handshake")
         head += chunk
     try:
         n = wire.frame_length(head, wire.MAX_HELLO_BYTES)
     except ValueError:
-        raise NotThisProtocol(head + _more(sock)) from None
+        raise NotThisProtocolError(head + _more(sock)) from None
     try:
         return (*wire.decode(wire.recv_exact(sock, n)), head)
     except ValueError:
-        raise NotThisProtocol(head) from None
+        raise NotThisProtocolError(head) from None
 
 
 def _more(sock: socket.socket) -> bytes:

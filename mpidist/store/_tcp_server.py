@@ -42,9 +42,9 @@ import time
 from collections import deque
 from typing import Callable
 
+from .._auth import JobKey
 from ..errors import DistNetworkError
 from . import _protocol as wire
-from .._auth import JobKey
 from ._handshake import Acceptor
 from ._protocol import Cmd, Status
 from .base import NotACounterError, compare_set_value, parse_counter

@@ -28,8 +28,8 @@ from datetime import timedelta
 from .._auth import JobKey, as_key
 from ..errors import DistNetworkError, DistStoreError
 from . import _protocol as wire
+from ._handshake import HandshakeRefusedError, NotProvenError, NotThisProtocolError, client_handshake
 from ._protocol import Cmd, Status
-from ._handshake import HandshakeRefused, NotProven, NotThisProtocol, client_handshake
 from ._tcp_server import SERVICE, StoreServer, adopt_listener, listen, registry
 from .base import MissingKeysError, NotACounterError, Store
 
@@ -185,7 +185,7 @@ def _connect(host: str, port: int, timeout: float | None, fn: str, key: JobKey |
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 client_handshake(sock, key, SERVICE, wire.MAGIC, _who() if key else b"")
                 return sock
-            except (HandshakeRefused, NotProven, NotThisProtocol) as exc:
+            except (HandshakeRefusedError, NotProvenError, NotThisProtocolError) as exc:
                 sock.close()
                 raise DistNetworkError(_handshake_failure(fn, host, port, exc)) from None
             except OSError as exc:
@@ -204,14 +204,14 @@ def _connect(host: str, port: int, timeout: float | None, fn: str, key: JobKey |
 
 def _handshake_failure(fn: str, host: str, port: int, exc: Exception) -> str:
     """The message of a connection whose handshake failed (never names the secret)."""
-    if isinstance(exc, HandshakeRefused):
+    if isinstance(exc, HandshakeRefusedError):
         if "protocol mismatch" in str(exc):
             return (
                 f"{fn}: the TCPStore server at {host}:{port} refused the handshake ({exc}); "
                 "run the same mpidist version in every process"
             )
         return f"{fn}: the TCPStore server at {host}:{port} refused this process: {exc}"
-    if isinstance(exc, NotProven):
+    if isinstance(exc, NotProvenError):
         return (
             f"{fn}: the process listening on {host}:{port} is not this job's store: {exc}. Another process holds "
             f"port {port} (another user's or another job's); nothing was sent to it. Start the job on a free port "
