@@ -181,7 +181,11 @@ def client_handshake(sock: socket.socket, key: JobKey | None, service: bytes, ma
     elif not reply[1]:
         raise NotProvenError("it admits everyone: it was started without the job's secret")
     elif not key.verify(b"server", proved, reply[1]):
-        raise NotProvenError("its proof of the job's secret is wrong")
+        raise NotProvenError(
+            "its munge credential is not this user's (it runs as another user, or this process is not of its job)"
+            if key.kind == "munge"
+            else "its proof of the job's secret is wrong"
+        )
     else:
         proof = key.prove(b"client", proved + b"|" + who[:_MAX_WHO])
     sock.sendall(wire.encode(Cmd.HELLO, [proof, who[:_MAX_WHO]]))
