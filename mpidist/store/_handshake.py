@@ -182,7 +182,7 @@ def client_handshake(sock: socket.socket, key: JobKey | None, service: bytes, ma
         raise NotProvenError("it admits everyone: it was started without the job's secret")
     elif not key.verify(b"server", proved, reply[1]):
         raise NotProvenError(
-            "its munge credential is not this user's (it runs as another user, or this process is not of its job)"
+            "it cannot prove the job's secret: its munge credential is not this user's (it runs as another user, or this process is not of its job)"
             if key.kind == "munge"
             else "its proof of the job's secret is wrong"
         )
