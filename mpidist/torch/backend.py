@@ -150,6 +150,12 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
 
     #: marks torch groups that are mpidist's (for _mpidist_autoload, which does not import this module)
     mpidist_backend = True
+    #: what torch reads of the backend ``_get_backend`` returns (torch 2.14 on asks every group for one): torch's
+    #: batch_isend_irecv then issues one isend/irecv per operation, as it does on gloo; torch's split_group and
+    #: shrink_group refuse this group as they refuse gloo's (mpidist.split_group and shrink_group serve it)
+    supports_coalescing = False
+    supports_splitting = False
+    supports_shrinking = False
 
     def __init__(self, main: Any, side: Any, backend_name: str, owns_world: bool, default: bool = False) -> None:
         super().__init__(main.rank(), main.size())
@@ -186,6 +192,18 @@ class ProcessGroupMPIDist(dist.ProcessGroup):
         if _get_ident() != engine.ident and engine.running():
             engine.submit(work)
         return work
+
+    def _get_backend(self, device: Any) -> ProcessGroupMPIDist:
+        """The backend torch's Python code asks a group for, per device: this group itself.
+
+        torch's own groups hold one backend object per device type; a Python group such as this one
+        holds none, so torch's ``ProcessGroup._get_backend`` raises "No backend type associated with
+        device type cpu", which torch 2.14's ``batch_isend_irecv`` and ``_coalescing_manager`` reach.
+        """
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind not in autoload.DEVICES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
 
     # -- names (DeviceMesh, FSDP and the group registry read them) ------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -435,7 +453,19 @@ def _start_for_first_group(members: list[int], timeout: timedelta, store: Any) -
             f"Create new_group(backend={BACKEND_NAME!r}) over all ranks first, call mpidist.init_process_group() "
             f"on every rank first, or use init_process_group({BACKEND_NAME!r}) for the default group"
         )
-    _init(timeout=timeout, store=store, rank=dist.get_rank(), world_size=size)
+    _init(timeout=timeout, store=_job_store(store), rank=dist.get_rank(), world_size=size)
+
+
+def _job_store(store: Any) -> Any:
+    """The job's store beneath torch's per-group prefixes, under a prefix of mpidist's own.
+
+    Ranks may name one group differently: from torch 2.14 on, a group made by some ranks alone
+    (``use_local_synchronization=True``) advances their count of groups only, so the next group over
+    every rank has another name (and store prefix) on them. Starting mpidist must not depend on it.
+    """
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return None if store is None else dist.PrefixStore("mpidist-start/", store)
 
 
 def _create_from_options(options: Any, backend_options: Any = None) -> ProcessGroupMPIDist:
