@@ -109,6 +109,27 @@ def _lightning_job(backend: str, tmp_path: Path, *extra: str) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _ddp_job(backend: str, tmp_path: Path) -> list[dict]:
+    out = tmp_path / f"ddp-{backend}"
+    out.mkdir()
+    cmd = [*mpiexec_command(2), sys.executable, str(PROGRAMS / "ddp_train.py"), backend, str(out)]
+    proc = subprocess.run(cmd, env=clean_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{backend}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return sorted((json.loads(p.read_text()) for p in out.glob("result-*.json")), key=lambda r: r["rank"])
+
+
+def test_an_unmodified_ddp_program_on_mpi_and_mpidist_is_bitwise_equal_to_gloo(tmp_path):
+    """DDP, batch_isend_irecv, an object collective: init_process_group("mpi"/"mpidist") with no import, as on gloo."""
+    gloo = _ddp_job("gloo", tmp_path)
+    assert [r["rank"] for r in gloo] == [0, 1], gloo
+    assert [r["p2p"] for r in gloo] == [[10.0, 11.0, 12.0, 13.0], [0.0, 1.0, 2.0, 3.0]], gloo
+    for backend in ("mpi", "mpidist"):
+        mine = _ddp_job(backend, tmp_path)
+        assert [r["backend"] for r in mine] == [backend, backend], mine
+        for key in ("rank", "weights", "p2p", "names"):
+            assert [r[key] for r in mine] == [r[key] for r in gloo], f"{backend}: {key} differs from gloo's"
+
+
 @pytest.fixture(scope="module")
 def gloo_job(tmp_path_factory) -> list[dict]:
     """The Lightning job on torch's gloo, the reference of both tests below (run once)."""
@@ -140,3 +161,100 @@ def test_lightning_with_a_ddp_comm_hook_on_cpu_matches_gloo(tmp_path, gloo_job):
         assert got["hooks"] == ["fp16_compress_hook"], got["hooks"]
         assert got["weights"] == ref["weights"], f"rank {got['rank']}'s weights differ from gloo's with the hook"
     assert runs[0]["weights"] != plain[0]["weights"], "the hook changed nothing: was it registered?"
+
+
+def test_every_torch_internal_mpidist_relies_on_is_there():
+    """Each check of mpidist.torch._internals passes on this torch (CI runs every torch of TESTED_TORCH)."""
+    import torch.distributed as dist
+
+    import _mpidist_autoload
+    from mpidist.torch import _internals
+
+    assert _internals.problems() == {}, f"torch {torch_version()}: {_internals.problems()}"
+    shape, problem = _mpidist_autoload.mpi_name_shape(sys.modules["torch.distributed.distributed_c10d"])
+    release = tuple(int(p) for p in torch_version().split("+")[0].split(".")[:2])
+    expected = _mpidist_autoload.SHAPE_HELPER if release < (2, 14) else _mpidist_autoload.SHAPE_CREATOR
+    assert (shape, problem) == (expected, ""), f"torch {torch_version()}"
+    assert dist.is_mpi_available()
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+UNKNOWN_TORCH = textwrap.dedent(
+    """
+    import os, sys, warnings
+    import torch, torch.distributed as dist
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+
+    def _new_process_group_helper(group_size, group_rank, global_ranks_in_group, backend, store, group_name,
+                                  backend_options=None, timeout=None, **kw):
+        raise AssertionError("torch's helper reached")
+
+    c10d._new_process_group_helper = _new_process_group_helper  # a torch whose group helper mpidist does not know
+    import _mpidist_autoload
+    os.environ.pop(_mpidist_autoload.SWITCH)  # off until now, so that import torch installed nothing yet
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _mpidist_autoload.load()  # what import torch runs
+    print("WARNING", [str(w.message) for w in caught if w.category is RuntimeWarning])
+    print("AVAILABLE", dist.is_mpi_available())
+    for call in (lambda: dist.init_process_group("mpi"), lambda: dist.init_process_group(backend="cpu:mpi,cuda:mpi"),
+                 lambda: dist.new_group([0], backend="mpi"),
+                 lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)):
+        try:
+            call()
+        except Exception as exc:
+            print("ERROR", type(exc).__name__, str(exc))
+    """
+)
+
+
+def test_an_unknown_torch_gets_mpidists_refusal_for_mpi_never_torchs(tmp_path):
+    """Where mpidist cannot serve "mpi", a warning at import torch and mpidist's own error name torch, what, and "mpidist"."""
+    path = tmp_path / "unknown_torch.py"
+    path.write_text(UNKNOWN_TORCH)
+    proc = subprocess.run([sys.executable, str(path)], env=clean_env(MPIDIST_TORCH_AUTOLOAD="0"),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = next(line for line in out.splitlines() if line.startswith("WARNING"))
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 4, out
+    for text in (warning, *errors[:3]):
+        assert f"torch {torch_version()}" in text and "_new_process_group_helper" in text, text
+        assert "backend='mpidist'" in text and "cannot serve the backend name 'mpi'" in text, text
+        assert "from source" not in text, f"torch's message was left: {text}"
+    assert errors[0].startswith("ERROR RuntimeError init_process_group:"), errors[0]
+    assert errors[2].startswith("ERROR RuntimeError new_group:"), errors[2]
+    assert "AVAILABLE False" in out, out
+    assert errors[3] == "ERROR AssertionError torch's helper reached", f"gloo must reach torch untouched: {errors[3]}"
+
+
+LAZY = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    before = getattr(dist.Backend, "MPIDIST", None)
+    dist.init_process_group("mpidist", store=dist.HashStore(), rank=0, world_size=1)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    print("RESULT", before, dist.get_backend(), t.tolist())
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchs_lazy_registrar_finds_mpidist_with_autoload_off(tmp_path):
+    """torch 2.14 on looks up a backend it does not know in the entry points torch.distributed.backends."""
+    path = tmp_path / "lazy.py"
+    path.write_text(LAZY)
+    proc = subprocess.run([sys.executable, str(path)], env=clean_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    release = tuple(int(p) for p in torch_version().split("+")[0].split(".")[:2])
+    if release >= (2, 14):
+        assert "RESULT None mpidist [1.0, 1.0, 1.0]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    else:  # torch 2.13 has no lazy registrar: `import mpidist.torch` registers the name there
+        assert "Unknown backend type mpidist" in proc.stderr, proc.stdout + proc.stderr[-3000:]
