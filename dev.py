@@ -7,7 +7,10 @@
                                    # Open MPI (.venv-openmpi) at world sizes 1, 2, 3, 4
                                    # each followed by tests/cluster: jobs under a real Slurm (srun, salloc,
                                    # sbatch) and across 3 simulated hosts, set up by tools/cluster/ (root)
+                                   # then tests/with_torch on each newer torch of TORCH_MATRIX at 1 and 2 ranks
+                                   # (MPICH; the newest under Open MPI too), each in .venv-torch-<version>
     python3 dev.py test --mpi mpich [ARGS]     # one MPI library only (or --mpi openmpi)
+    python3 dev.py test-torch      # the torch matrix alone
     python3 dev.py bench [ARGS]    # the benchmarks on 2 ranks (see benchmarks/): collectives, the mpidist.bench
                                    # sweep (every collective, 8 B to 4 MiB, checked), then the torch backend
     python3 dev.py docs [ARGS]     # the documentation site (mkdocs.yml: docs/ + the API reference from the
@@ -17,7 +20,8 @@
 Extra ARGS go to pytest (test), the benchmark script (bench) or `mkdocs build` (docs). Environment:
 MPIDIST_TEST_SIZES="1 2" picks the world sizes (of both libraries), MPIDIST_OPENMPI_TEST_SIZES
 those of Open MPI alone; MPIDIST_C_OFF_SIZES those of the pass with C off ("" leaves it out);
-MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too); MPIDIST_TEST_MPI=mpich|openmpi|both
+MPIDIST_CLUSTER_TESTS=0 leaves tests/cluster out (ARGS do too), MPIDIST_TORCH_MATRIX=0 the torch matrix (ARGS
+do too), MPIDIST_TORCH_MATRIX_SIZES its world sizes; MPIDIST_TEST_MPI=mpich|openmpi|both
 is --mpi's default; MPIEXEC names another launcher (run-tests, and test with one --mpi).
 """
 
@@ -89,19 +93,29 @@ def setup(extras: str, torch: bool = False, venv: Path = VENV) -> Path:
 
 
 def install_local_torch(python: Path) -> None:
-    """Install torch 2.13.0 only if a local wheel is reachable (never a multi-GB download)."""
+    """Install torch TORCH_OLDEST only if a local wheel is reachable (never a multi-GB download)."""
     if subprocess.call([python, "-c", "import torch"], stderr=subprocess.DEVNULL) == 0:
         return
     rc = subprocess.call(
-        [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "torch==2.13.0"],
+        [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", f"torch=={TORCH_OLDEST}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     if rc == 0:
-        rc = run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
+        rc = run([python, "-m", "pip", "install", "-q", f"torch=={TORCH_OLDEST}"])
     say("torch installed: the gloo comparison tests run" if rc == 0 else "no local torch wheel: gloo comparisons are skipped")
 
 
+#: the torch of the main environments (.venv, .venv-openmpi): the oldest release mpidist supports (pyproject.toml's
+#: lower bound), whose tests run at every world size under both libraries
+TORCH_OLDEST = "2.13.0"
+#: the newer torch releases `dev.py test` also runs tests/with_torch on (with Lightning and torch's own suite), each
+#: in an environment of its own, at TORCH_MATRIX_SIZES under MPICH, the newest under Open MPI too. Keep it equal to
+#: _mpidist_autoload.TESTED_TORCH less TORCH_OLDEST (tests/tools/test_dev.py checks)
+TORCH_MATRIX = ("2.14.1", "2.15.0")
+TORCH_MATRIX_SIZES = [int(n) for n in os.environ.get("MPIDIST_TORCH_MATRIX_SIZES", "1 2").split()]
+#: pip's environment for a torch newer than a machine's pip constraints allow (a local cap on torch releases)
+TORCH_PIP_ENV = {"PIP_CONSTRAINT": "/dev/null"}
 #: what the torch tests use beside torch: the Lightning they train with over "mpi" and "mpidist"
 #: (tests/with_torch/test_torch_autoload.py), and expecttest, which torch's own distributed test suite imports
 #: (tests/with_torch/test_torch_suite.py)
@@ -116,6 +130,62 @@ def install_lightning(python: Path) -> None:
         return
     rc = run([python, "-m", "pip", "install", "-q", *TORCH_TEST_EXTRAS])
     say("Lightning and expecttest installed" if rc == 0 else "Lightning/expecttest did not install: their tests skip")
+
+
+def setup_torch(library: str, version: str) -> Path | None:
+    """An environment with mpidist[library,test], torch ``version``, Lightning and expecttest; None if it failed.
+
+    Under MPICH, torch is installed once per pyproject.toml and version (a CUDA build of torch is several GB;
+    pip's cache keeps a download for the next run). Another library's environment holds only mpidist and that
+    library, and reaches the MPICH environment's torch through a ``.pth`` file (its own packages, mpi4py
+    and the MPI library among them, come first on ``sys.path``).
+    """
+    if library != "mpich":
+        shared = setup_torch("mpich", version)
+        if shared is None:
+            return None
+        python = setup(f"{library},test", venv=ROOT / f".venv-{library}-torch-{version}")
+        (Path(site_packages(python)) / "zz-mpidist-shared-torch.pth").write_text(site_packages(shared) + "\n")
+        return python
+    venv = ROOT / f".venv-torch-{version}"
+    python = bin_dir(venv) / "python"
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + version.encode()).hexdigest()
+    stamp = venv / ".mpidist-torch"
+    if stamp.exists() and stamp.read_text() == key:
+        return python
+    if not python.exists():
+        must([sys.executable, "-m", "venv", venv])
+    env = {**os.environ, **TORCH_PIP_ENV}
+    cmd = [python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[mpich,test]", f"torch=={version}"]
+    if run([*cmd, *TORCH_TEST_EXTRAS], env=env):
+        say(f"torch {version} did not install: its tests fail")
+        return None
+    stamp.write_text(key)
+    return python
+
+
+def site_packages(python: Path) -> str:
+    """The site-packages folder of the environment of ``python``."""
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_torch_matrix(args: list[str], libraries: list[str]) -> list[tuple]:
+    """tests/with_torch on each torch of TORCH_MATRIX (MPICH; the newest under every library in ``libraries``)."""
+    if os.environ.get("MPIDIST_TORCH_MATRIX", "1").strip() == "0" or args:
+        say("torch matrix: left out" + (" (MPIDIST_TORCH_MATRIX=0)" if not args else " (pytest arguments given)"))
+        return []
+    results: list[tuple] = []
+    for version in TORCH_MATRIX:
+        for library in libraries if version == TORCH_MATRIX[-1] else libraries[:1]:
+            label = f"{library}, torch {version}: "
+            python = setup_torch(library, version)
+            if python is None:
+                results.append((label, "install", 1, 0.0, [f"pip could not install torch {version}"]))
+                continue
+            env = {"MPIDIST_TEST_ONE_LIBRARY": "0" if library != libraries[0] else "1"}
+            results += run_tests(python, ["tests/with_torch"], TORCH_MATRIX_SIZES, label, len(libraries) == 1, env)
+    return results
 
 
 def mpiexec(python: Path, use_env: bool = True) -> tuple[list[str], dict[str, str]]:
@@ -224,17 +294,94 @@ def summary(results: list[tuple]) -> int:
     """Print the failures of each failed run, one line per run and the total time; return the worst exit code."""
     for label, n, rc, _secs, failures in results:
         if rc:
-            say(f"failures of {label}{'tests/cluster' if n == 'cluster' else f'mpiexec -n {n}'} (exit {rc}):")
+            say(f"failures of {label}{n if isinstance(n, str) else f'mpiexec -n {n}'} (exit {rc}):")
             for line in failures[:FAILURE_LINES_KEPT]:
                 print(f"    {line}", flush=True)
             if len(failures) > FAILURE_LINES_KEPT:
                 print(f"    ... and {len(failures) - FAILURE_LINES_KEPT} more lines", flush=True)
     say("summary:")
     for label, n, rc, secs, _failures in results:
-        what = "tests/cluster (srun, several hosts)" if n == "cluster" else f"mpiexec -n {n}"
+        what = {"cluster": "tests/cluster (srun, several hosts)", "install": "install", "leftovers": "the machine left as found"}.get(n, f"mpiexec -n {n}")
         say(f"  {label}{what}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
     say(f"  total: {sum(r[3] for r in results):.0f} s")
     return max((r[2] for r in results), default=0)
+
+
+#: what a test run may start or leave and `dev.py test` takes away again: the daemons tools/cluster/slurm.sh starts,
+#: the hosts tools/cluster/hosts.sh makes, and the shared-memory segments of jobs the tests killed
+DAEMONS = ("slurmctld", "slurmd", "munged")
+SHM = Path("/dev/shm")
+SHM_OURS = re.compile(r"^(mpich_shm_|sm_segment\.|vader_segment\.|mpidist|psm2|ompi\.|pmix)")
+
+
+def running(name: str) -> list[int]:
+    """The pids of processes whose command name is ``name`` (from /proc; empty where there is none)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "comm").read_text().strip() == name:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def shm_in_use() -> set[str]:
+    """Names under /dev/shm that a live process maps or holds open."""
+    used: set[str] = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            for line in (entry / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    used.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/") :].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def machine_state() -> dict:
+    """What `leave_as_found` compares: daemons running, simulated hosts up, shared-memory segments."""
+    hosts = ROOT / "tools" / "cluster" / "hosts.sh"
+    listed = subprocess.run(["bash", str(hosts), "list"], capture_output=True, text=True, timeout=60)
+    return {
+        "daemons": {name for name in DAEMONS if running(name)},
+        "hosts": listed.stdout.split() if listed.returncode == 0 else [],
+        "shm": set(os.listdir(SHM)) if SHM.is_dir() else set(),
+    }
+
+
+def leave_as_found(before: dict) -> list[str]:
+    """Stop what the run started and remove what its killed jobs left; return what is still there."""
+    after = machine_state()
+    if after["daemons"] - before["daemons"]:
+        run(["bash", str(ROOT / "tools" / "cluster" / "slurm.sh"), "down"])
+    if after["hosts"] and not before["hosts"]:
+        run(["bash", str(ROOT / "tools" / "cluster" / "hosts.sh"), "down"])
+    used = shm_in_use()
+    removed, freed = 0, 0
+    for name in sorted(after["shm"] - before["shm"]):
+        if SHM_OURS.match(name) and name not in used:
+            try:
+                freed += (SHM / name).stat().st_size
+                (SHM / name).unlink()
+                removed += 1
+            except OSError:
+                continue
+    if removed:
+        say(f"/dev/shm: removed {removed} shared-memory segments ({freed / 2**20:.0f} MiB) of jobs the tests killed")
+    now = machine_state()
+    left = [f"{name} still running (started by the tests)" for name in sorted(now["daemons"] - before["daemons"])]
+    left += [f"simulated host {host} still up" for host in now["hosts"] if not before["hosts"]]
+    left += [f"/dev/shm/{name} left (in use)" for name in sorted(now["shm"] - before["shm"]) if SHM_OURS.match(name)]
+    for line in left:
+        say(f"left behind: {line}")
+    if not left:
+        say("the machine is as the run found it: no daemon, host or shared-memory segment of the tests is left")
+    return left
 
 
 def sizes_for(library: str) -> list[int]:
@@ -257,6 +404,7 @@ def test(args: list[str]) -> int:
     if choice not in ("mpich", "openmpi", "both"):
         sys.exit(f"[dev] --mpi {choice}: expected mpich, openmpi or both")
     libraries = ["mpich", "openmpi"] if choice == "both" else [choice]
+    before = machine_state()
     results: list[tuple] = []
     for library in libraries:
         extra, venv = LIBRARIES[library]
@@ -267,6 +415,10 @@ def test(args: list[str]) -> int:
             results += run_tests(python, args, C_OFF_SIZES, f"{label}C off: ", len(libraries) == 1, C_OFF_ENV)
         if not args:  # the whole suite: also the launches on real clusters
             results += run_cluster_tests(python, label)
+    results += run_torch_matrix(args, libraries)
+    left = leave_as_found(before)
+    if left and os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # elsewhere others may share the machine
+        results.append(("", "leftovers", 1, 0.0, [f"left behind: {line}" for line in left]))
     return summary(results)
 
 
@@ -281,6 +433,9 @@ def main(argv: list[str]) -> int:
         )
     if cmd == "test":
         return test(args)
+    if cmd == "test-torch":  # only the torch matrix (TORCH_MATRIX): tests/with_torch on the newer torch releases
+        choice = os.environ.get("MPIDIST_TEST_MPI", "both")
+        return summary(run_torch_matrix([], ["mpich", "openmpi"] if choice == "both" else [choice]))
     if cmd == "run-tests":
         return summary(run_tests(Path(sys.executable), args, sizes_for("mpich")))
     if cmd == "bench":
