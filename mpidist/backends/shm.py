@@ -46,7 +46,9 @@ this path (``shm_tuning.py`` says from which size)::
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import mmap
 import os
 import platform
@@ -65,6 +67,8 @@ from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, from_or
 from ..work import poll
 from . import shm_tuning, ulfm
 from .mpi_types import TypeEntry
+
+_log = logging.getLogger("mpidist")
 
 try:  # the POSIX shared-memory calls multiprocessing.shared_memory uses (no resource tracker here)
     import _posixshmem
@@ -277,8 +281,12 @@ class SharedPath:
             name = f"/mpidist-{os.getpid()}-{nonce:x}"
             try:
                 mem = _create(name, size * per)
-            except OSError:
+            except OSError as exc:
                 willing, name = False, ""
+                _log.warning(
+                    "%s: group %s keeps MPI's calls: no room for %.1f MiB of shared memory for %d ranks (%s)",
+                    fn, backend.group_name or "default", size * per / 2**20, size, exc,
+                )  # fmt: skip
         key = _node_key()
         ranges = [v for c in shm_tuning.COLLECTIVES for v in (limits[c][0], -limits[c][1])]  # MAX of lows, MIN of highs
         mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *ranges], np.int64)
@@ -404,15 +412,35 @@ def _region_sizes(size: int) -> tuple[int, int]:
 
 
 def _create(name: str, nbytes: int) -> mmap.mmap:
+    """A new segment of ``nbytes``, its memory reserved now (OSError where /dev/shm has no room for it).
+
+    ``ftruncate`` alone makes a sparse file: on a small ``/dev/shm`` (a container's 64 MB, a
+    tmpfs of a few MB) the first write past what is free then kills the process with SIGBUS,
+    inside a collective. ``posix_fallocate`` reserves every page here, or fails with ENOSPC.
+    """
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        _reserve(fd, nbytes)
         return mmap.mmap(fd, nbytes)
     except OSError:
         _unlink(name)
         raise
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the segment's pages (ENOSPC where they do not fit; a no-op where the call is missing)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # pragma: no cover - not on Linux
+        return
+    try:
+        fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it: as before
+            return
+        raise
 
 
 def _attach(name: str, nbytes: int) -> mmap.mmap:
