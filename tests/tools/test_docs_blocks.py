@@ -121,3 +121,23 @@ def test_the_blocks_run_as_written(page, tmp_path):
     print(f"{page.name}: ran {ran}; skipped without torch: {skipped}")
     assert ran or skipped, f"{page.name}: no block ran"
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.timeout(30)
+def test_dev_example_suggests_commands_that_exist():
+    """The commands `dev.py example` prints next name examples and tests of the checkout and extras of pyproject.toml."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    sys.path.insert(0, str(REPO))
+    import dev
+
+    text = dev.NEXT_STEPS
+    assert "source .venv/bin/activate" in text
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {e for group in re.findall(r'\.\[([\w,]+)\]"', text) for e in group.split(",")}
+    assert named and named <= extras, f"extras {sorted(named - extras)} are not in pyproject.toml"
+    paths = re.findall(r"\b((?:examples|tests)/[\w/]+(?:\.py)?)", text)
+    assert len(paths) >= 3, text
+    missing = [p for p in paths if not (REPO / p).exists()]
+    assert not missing, f"dev.py example suggests {missing}, which the checkout does not have"
