@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: the marks of blocks and lines that CI does not run (the comment on the page says which)
 MARKS = (
-    "fragment", "needs Slurm", "needs several hosts", "needs a GPU", "needs PyPI", "once released on PyPI", "not run by CI",
+    "fragment", "needs Slurm", "needs several hosts", "needs a GPU", "needs PyPI", "once released on PyPI",
+    "not run by CI",
 )
 #: the only blocks that may say "not run by CI": (page, the block's first line)
 NOT_RUN = {

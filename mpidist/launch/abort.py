@@ -176,11 +176,13 @@ def finalize_after_failure() -> None:
     (``ompi_mpi_finalize``, waiting in ``opal_progress``), dead ones included. The runtime (PRRTE)
     completes it without the dead process only if it has recorded the death by then: here it had not
     in 2 of 6 runs of ``examples/survive_ddp.py`` and 4 of 8 of ``survive_sgd.py``, and every survivor
-    waited (open-mpi/ompi#11404); with the fence left out, 20 of 20 runs of each exited 0. Open MPI's switch ``mpi_async_mpi_finalize`` leaves that fence out; it is
-    read once at ``MPI_Init``, so a survivor sets the variable behind it (``ompi_async_mpi_finalize``
-    in libmpi) just before finalizing. The rest of ``MPI_Finalize`` runs as usual and the process
-    ends with its own exit status. The survivors' work is done by then (they finalize after their
-    last call completed), and the fence only orders the teardown of connections.
+    waited (open-mpi/ompi#11404); with the fence left out, 20 of 20 runs of each exited 0. Open MPI's
+    switch ``mpi_async_mpi_finalize`` leaves that fence out; it is read once at ``MPI_Init``, so a
+    survivor sets the variable behind it (``ompi_async_mpi_finalize`` in libmpi) just before
+    finalizing. The rest of ``MPI_Finalize`` runs as usual and the process ends with its own exit
+    status. What the fence guards against (Open MPI's comment: a process tearing down its connections
+    while a peer still sends to it over an unreliable transport) needs a message still in flight at
+    exit; the examples' survivors complete every call before they exit.
 
     Should finalizing still not return within ``FINALIZE_LIMIT_S`` (another MPI library, an Open MPI
     without that variable, a hang elsewhere), faulthandler's timer (a C thread: mpi4py holds the

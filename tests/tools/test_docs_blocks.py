@@ -125,7 +125,7 @@ def test_the_blocks_run_as_written(page, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_dev_example_suggests_commands_that_exist():
-    """The commands `dev.py example` prints next name examples and tests of the checkout and extras of pyproject.toml."""
+    """The commands `dev.py example` prints next name examples and tests of the checkout, and extras that exist."""
     import re
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
