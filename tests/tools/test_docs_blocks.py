@@ -26,8 +26,10 @@ import pytest
 
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
-import check_docs  # noqa: E402 - tools/ is not a package
+# tools/ is not a package: load check_docs.py by its path, without putting tools/ on sys.path
+_spec = importlib.util.spec_from_file_location("check_docs", REPO / "tools" / "check_docs.py")
+check_docs = sys.modules.setdefault("check_docs", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(check_docs)  # in sys.modules first: its dataclass looks its module up there
 
 # each page runs its own jobs (mpiexec -n 2 or 4, torchrun): once, in the world of one rank, under one library
 pytestmark = [pytest.mark.one_rank, pytest.mark.one_library]
