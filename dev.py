@@ -422,15 +422,29 @@ def test(args: list[str]) -> int:
     return summary(results)
 
 
+#: what `dev.py example` prints after the example ran (the README's "Next" says the same)
+NEXT_STEPS = """
+[dev] mpidist and MPICH are installed in .venv. Use it: `source .venv/bin/activate` (or call
+[dev] .venv/bin/python, .venv/bin/mpiexec, ... by their paths). Three commands to try next, from here:
+
+    source .venv/bin/activate
+    pip install -e ".[mpich,torch,test]"                     # torch, pytest and pytest-mpi (torch from PyPI)
+    mpiexec -n 2 python examples/ddp_powersgd.py              # torch DDP with PowerSGD, over MPI
+    mpidistrun --nproc-per-node 2 examples/torch_program.py   # a torch.distributed program, unchanged
+    mpiexec -n 2 python -m pytest --with-mpi -q tests/api     # the API's tests, on 2 ranks
+"""
+
+
 def main(argv: list[str]) -> int:
     cmd, args = (argv[0], argv[1:]) if argv else ("help", [])
     if cmd == "example":
         python = setup("mpich")
         n = args[0] if args else "4"
         launcher, env = mpiexec(python)
-        return run(
-            launcher + ["-n", n, python, ROOT / "examples" / "quickstart.py"], cwd=ROOT, env={**os.environ, **env}
-        )
+        rc = run(launcher + ["-n", n, python, ROOT / "examples" / "quickstart.py"], cwd=ROOT, env={**os.environ, **env})
+        if rc == 0:
+            print(NEXT_STEPS)
+        return rc
     if cmd == "test":
         return test(args)
     if cmd == "test-torch":  # only the torch matrix (TORCH_MATRIX): tests/with_torch on the newer torch releases

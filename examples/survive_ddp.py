@@ -1,6 +1,7 @@
 """torch DDP over the "mpidist" backend that goes on after a rank is killed, and matches a reference bit for bit.
 
-    mpirun --with-ft ulfm -n 4 python examples/survive_ddp.py --kill-rank 1 --kill-step 5
+    mpidistrun --with-ft --nproc-per-node 4 examples/survive_ddp.py --kill-rank 1 --kill-step 5
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/survive_ddp.py --kill-rank 1 --kill-step 5
     python examples/survive_ddp.py --reference --world 4 --kill-step 5   # the reference alone, one process
 
 A linear model (``nn.Linear``) in ``DistributedDataParallel`` on ``init_process_group("mpidist")``,

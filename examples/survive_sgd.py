@@ -1,6 +1,7 @@
 """Data-parallel SGD that goes on after a rank is killed, and ends on the same parameters as a reference.
 
-    mpirun --with-ft ulfm -n 4 python examples/survive_sgd.py --kill-rank 2 --kill-step 7
+    mpidistrun --with-ft --nproc-per-node 4 examples/survive_sgd.py --kill-rank 2 --kill-step 7
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/survive_sgd.py --kill-rank 2 --kill-step 7
     python examples/survive_sgd.py --reference --world 4 --kill-step 7   # the reference alone, one process
 
 Linear regression in numpy on a fixed synthetic dataset, sharded with ``mpidist.DistributedSampler``;

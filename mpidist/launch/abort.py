@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import faulthandler
 import os
 import sys
@@ -169,13 +170,23 @@ FINALIZE_LIMIT_S = 10.0
 
 def finalize_after_failure() -> None:
     """At interpreter exit, in a process that went on after a member died (``shrink_group`` over ULFM):
-    finalize MPI here, and if that has not returned within ``FINALIZE_LIMIT_S``, end the process
-    (exit status 1, after a "Timeout" traceback on stderr that points here) instead of hanging.
+    finalize MPI without the runtime's fence over every process of the job, which the dead one never joins.
 
-    Open MPI 5.0.11's ``MPI_Finalize`` sometimes waits forever for the dead process (its runtime's
-    fence; open-mpi/ompi#11404): 1 run in 5-10 here, with mpi4py alone as with mpidist. mpi4py
-    holds the interpreter lock inside ``MPI_Finalize``, so no Python thread can end the process:
-    faulthandler's timer (a C thread) does.
+    Open MPI 5's ``MPI_Finalize`` starts with a PMIx fence over every process the job started
+    (``ompi_mpi_finalize``, waiting in ``opal_progress``), dead ones included. The runtime (PRRTE)
+    completes it without the dead process only if it has recorded the death by then: here it had not
+    in 2 of 6 runs of ``examples/survive_ddp.py`` and 4 of 8 of ``survive_sgd.py``, and every survivor
+    waited (open-mpi/ompi#11404); with the fence left out, 20 of 20 runs of each exited 0. Open MPI's
+    switch ``mpi_async_mpi_finalize`` leaves that fence out; it is read once at ``MPI_Init``, so a
+    survivor sets the variable behind it (``ompi_async_mpi_finalize`` in libmpi) just before
+    finalizing. The rest of ``MPI_Finalize`` runs as usual and the process ends with its own exit
+    status. What the fence guards against (Open MPI's comment: a process tearing down its connections
+    while a peer still sends to it over an unreliable transport) needs a message still in flight at
+    exit; the examples' survivors complete every call before they exit.
+
+    Should finalizing still not return within ``FINALIZE_LIMIT_S`` (another MPI library, an Open MPI
+    without that variable, a hang elsewhere), faulthandler's timer (a C thread: mpi4py holds the
+    interpreter lock inside ``MPI_Finalize``) prints where and ends the process with exit status 1.
     """
     if not world.survived_failure or not _mpi_running():
         return
@@ -184,9 +195,31 @@ def finalize_after_failure() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
+    skip_finalize_fence(MPI)
     faulthandler.dump_traceback_later(FINALIZE_LIMIT_S, exit=True)
     MPI.Finalize()
     faulthandler.cancel_dump_traceback_later()
+
+
+def skip_finalize_fence(mpi: Any) -> bool:
+    """Make Open MPI's next ``MPI_Finalize`` skip its fence over the whole job (``mpi_async_mpi_finalize``).
+
+    Returns True if the switch is set: the MPI library is Open MPI and its libmpi, as loaded in this
+    process, exports ``ompi_async_mpi_finalize``. Anything else (MPICH, an Open MPI build without the
+    variable) is left as it is, and False returned.
+    """
+    try:
+        if not mpi.Get_library_version().startswith("Open MPI"):
+            return False
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi.so" in line}
+        for path in sorted(paths):
+            flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "ompi_async_mpi_finalize")
+            flag.value = True
+            return True
+    except (OSError, ValueError, AttributeError):  # no /proc, no such symbol, not a shared library
+        pass
+    return False
 
 
 #: how long a process that is about to abort the job gives its launcher to forward its last lines

@@ -458,3 +458,30 @@ def test_a_timed_out_call_that_completed_later_does_not_abort(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "rank 0 caught the timeout" in proc.stdout and "rank 1 got [2.0, 2.0]" in proc.stdout, proc.stdout
     assert "mpidist: exiting with" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_survivor_finalizes_open_mpi_without_the_fence_over_the_dead():
+    """skip_finalize_fence sets Open MPI's ``ompi_async_mpi_finalize`` (MPI_Finalize then leaves out the fence
+    that waits for the dead, open-mpi/ompi#11404) and touches nothing under another library.
+
+    The flag is put back, so this process still finalizes with the fence; tests/cluster/test_ulfm_training.py
+    checks that survivors of a real failure exit 0."""
+    import ctypes
+
+    from mpidist.launch.abort import skip_finalize_fence
+
+    open_mpi = MPI.Get_library_version().startswith("Open MPI")
+    if not open_mpi:
+        assert skip_finalize_fence(MPI) is False
+        return
+    with open("/proc/self/maps") as maps:
+        path = sorted({line.split()[-1] for line in maps if "/libmpi.so" in line})[0]
+    flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "ompi_async_mpi_finalize")
+    before = flag.value
+    try:
+        flag.value = False
+        assert skip_finalize_fence(MPI) is True
+        assert flag.value is True
+    finally:
+        flag.value = before
