@@ -48,6 +48,8 @@ def main() -> None:
     result = {"rank": rank, "backend": dist.get_backend(), "weights": weights, "p2p": got.tolist(), "names": names}
     with open(f"{OUT}/result-{rank}.json", "w") as f:
         json.dump(result, f)
+    del model, opt  # DDP's reducer goes before its group: the other order can abort gloo at exit
+    dist.barrier()
     dist.destroy_process_group()
 
 
