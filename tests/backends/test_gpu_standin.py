@@ -1,0 +1,281 @@
+"""Device paths on the stand-in that fails the way a GPU does (``mpidist.testing.gpu``, issue 34).
+
+Each test here failed on the code before issue 34's fixes (the note of the commit
+that fixed it says how): device memory the host cannot touch (finding 1), streams
+that run only when ordered (finding 2), a cupy whose ``nccl.available`` is False
+(finding 3), an allocation that fails on one rank (finding 5). Every test is SPMD
+and decides together (``fail_together``); blocking waits on the stand-in raise
+``StandinHangError`` after ``hang_s`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist as dist
+from mpidist import DistBackendError
+from mpidist._world import world
+from mpidist.arrays.device import from_cuda_interface
+from mpidist.backends import registry
+from mpidist.backends.mpi import MPIBackend
+from mpidist.backends.mpi_device import MPIDeviceBackend
+from mpidist.backends.nccl import NCCLBackend
+from mpidist.backends.shm import SharedPath
+from mpidist.testing.gpu import GpuStandin, StandinHangError, StandinNccl, StandinRuntime, fake_cupy
+
+from helpers import fail_together
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+R = dist.ReduceOp
+pytestmark = pytest.mark.timeout(120)
+
+
+def darr(x: Any) -> Any:
+    return from_cuda_interface(x, "test", "x")
+
+
+@pytest.fixture
+def gpu():
+    return GpuStandin(hang_s=20.0)
+
+
+@pytest.fixture
+def nccl_backend(gpu):
+    """``build(timeout=30.0, **runtime kwargs)`` -> (NCCLBackend on the stand-in, runtime); shut down after."""
+    made: list[tuple[Any, Any]] = []
+
+    def build(timeout: float = 30.0, **rt: Any):
+        runtime = StandinRuntime(gpu, **rt)
+        comm = MPI.COMM_WORLD.Dup()
+        backend = NCCLBackend(comm, timeout, "standin", runtime=runtime)
+        made.append((backend, comm))
+        return backend, runtime
+
+    yield build
+    for backend, comm in made:
+        if backend._broken is None:
+            try:
+                gpu.synchronize_all()
+            except StandinHangError:
+                pass
+        backend.shutdown()
+        comm.Free()
+
+
+# -- the stand-in itself ---------------------------------------------------------------------
+
+
+def test_standin_streams_run_only_when_ordered(gpu):
+    """An enqueued step waits for an order; an event completes only when its stream ran; freed memory is poisoned."""
+    problems: list[str] = []
+    s = gpu.new_stream()
+    x = gpu.array(np.zeros(4, np.float32), stream=s)
+    ran: list[int] = []
+    gpu.enqueue(s, lambda: ran.append(1))
+    from mpidist.testing.gpu import StandinEvent
+
+    e = StandinEvent()
+    gpu.record(e, s)
+    if ran or gpu.query(e):
+        problems.append("a step ran (or its event completed) without an order")
+    gpu.wait_event(gpu.DEFAULT, e)
+    gpu.synchronize()  # the default stream runs, and with it s up to e
+    if ran != [1] or not gpu.query(e):
+        problems.append(f"after a wait and a synchronize: ran={ran}, query={gpu.query(e)}")
+    addr = x.ptr
+    x.free()
+    y = gpu.empty(4, np.float32)
+    if y.ptr != addr or not np.isnan(y.get()).all():
+        problems.append("freed memory was not reused poisoned")
+    gpu.fail_allocations(1)
+    try:
+        gpu.empty(4, np.float32)
+        problems.append("an allocation told to fail succeeded")
+    except MemoryError:
+        pass
+    fail_together(problems)
+
+
+# -- finding 1: device pointers reach host code -----------------------------------------------
+
+
+@pytest.mark.parametrize("n", [4, 1 << 18], ids=["small", "1MiB"])
+def test_cuda_aware_device_pointers_only_to_mpi(gpu, monkeypatch, n):
+    """With a CUDA-aware MPI, device memory goes to MPI calls only: never to the shared-memory path or numpy.
+
+    The stand-in's memory is PROT_NONE: a host read is a SIGSEGV (before the fix: the
+    numpy view over the device pointer crashed in MPI or in ``SharedPath``).
+    """
+    monkeypatch.setattr(world, "cuda_aware", True)
+    monkeypatch.setenv("MPIDIST_DEVICE_STAGING", "quiet")
+    shm_calls: list[str] = []
+    for name in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"):
+        real = getattr(SharedPath, name, None)
+        if real is not None:
+
+            def spy(self, *a, _real=real, _name=name, **k):
+                shm_calls.append(_name)
+                return _real(self, *a, **k)
+
+            monkeypatch.setattr(SharedPath, name, spy)
+    problems: list[str] = []
+    comm = MPI.COMM_WORLD.Dup()
+    inner = MPIBackend(comm, 30.0, "standin-mpi")
+    backend = MPIDeviceBackend(inner)
+    try:
+        x = gpu.array(np.full(n, RANK + 1, np.float32), stream=gpu.new_stream())
+        backend.all_reduce(darr(x), None, R.SUM, False)
+        got = x.get()
+        if not (got == SIZE * (SIZE + 1) / 2).all():
+            problems.append(f"all_reduce: got {got[:4]}")
+        b = gpu.array(np.full(n, RANK, np.int32))
+        backend.broadcast(darr(b), None, 0, False)
+        if not (b.get() == 0).all():
+            problems.append(f"broadcast: got {b.get()[:4]}")
+        ins = [gpu.array(np.full(n, RANK + r, np.float32)) for r in range(SIZE)]
+        out = gpu.empty(n, np.float32)
+        backend.reduce_scatter(darr(out), None, [darr(a) for a in ins], R.SUM, False)
+        want = sum(r + RANK for r in range(SIZE))
+        if not (out.get() == want).all():
+            problems.append(f"reduce_scatter with separate inputs: got {out.get()[:4]}, expected {want}")
+        outs = [gpu.empty(n, np.float32) for _ in range(SIZE)]
+        backend.all_gather([darr(o) for o in outs], None, darr(x), False)
+        for r, o in enumerate(outs):
+            if not (o.get() == SIZE * (SIZE + 1) / 2).all():
+                problems.append(f"all_gather[{r}]: got {o.get()[:4]}")
+        if shm_calls:
+            problems.append(f"device memory reached the shared-memory path: {shm_calls}")
+    finally:
+        inner.shutdown()
+        comm.Free()
+    fail_together(problems)
+
+
+# -- finding 2: Work.wait orders the caller's current stream ------------------------------------
+
+
+def test_wait_orders_the_current_stream_every_call(gpu, nccl_backend):
+    """As torch's WorkNCCL::wait: each wait() makes the stream current then wait for the operation."""
+    problems: list[str] = []
+    backend, _ = nccl_backend()
+    side = gpu.new_stream()
+    x = gpu.array(np.full(8, RANK + 1, np.float32), stream=side)
+    want = np.full(8, SIZE * (SIZE + 1) / 2, np.float32)
+    work = backend.all_reduce(darr(x), None, R.SUM, True)
+    gpu.current = gpu.DEFAULT
+    work.wait()
+    got = x.get()  # read on the current (default) stream
+    if not np.array_equal(got, want):
+        problems.append(f"after wait() on the default stream, a read there saw {got[:3]} (stale), expected {want[:3]}")
+    other = gpu.new_stream()
+    gpu.current = other
+    y = gpu.array(np.full(8, RANK + 1, np.float32), stream=side)
+    work2 = backend.all_reduce(darr(y), None, R.SUM, True)
+    gpu.current = gpu.DEFAULT
+    work2.wait()
+    gpu.current = other
+    work2.wait()  # a second wait, from another stream, orders that stream too
+    got = y.get(other)
+    if not np.array_equal(got, want):
+        problems.append(f"the second wait() did not order the new current stream: read {got[:3]}")
+    gpu.current = gpu.DEFAULT
+    fail_together(problems)
+
+
+def test_event_completes_only_after_the_gpu_ran(gpu, nccl_backend):
+    """is_completed() is False until the stream runs; the Future's value is there only then."""
+    problems: list[str] = []
+    backend, _ = nccl_backend()
+    x = gpu.array(np.full(4, RANK + 1, np.float64))
+    work = backend.all_reduce(darr(x), None, R.SUM, True)
+    if work.is_completed():
+        problems.append("is_completed() before the stream ran")
+    work.wait()
+    gpu.synchronize()
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not work.is_completed():
+        problems.append("is_completed() still False after the stream ran")
+    fail_together(problems)
+
+
+# -- finding 3: cupy without libnccl ---------------------------------------------------------------
+
+
+def test_nccl_unavailable_falls_back_to_mpi():
+    """cupy imports without libnccl and says ``nccl.available = False``: NCCL is not available, MPI serves."""
+    problems: list[str] = []
+    with fake_cupy(available=False):
+        if registry.nccl_available():
+            problems.append("nccl_available() is True though cupy.cuda.nccl.available is False")
+        if dist.is_nccl_available():
+            problems.append("dist.is_nccl_available() is True without libnccl")
+        try:
+            g = dist.new_group(backend="cpu:mpi,cuda:nccl")
+        except Exception as exc:  # noqa: BLE001 - the failure is the finding
+            problems.append(f"new_group(cpu:mpi,cuda:nccl) without libnccl raised {type(exc).__name__}: {exc}")
+        else:
+            x = np.full(3, RANK + 1.0)
+            dist.all_reduce(x, group=g)
+            if not (x == SIZE * (SIZE + 1) / 2).all():
+                problems.append(f"host all_reduce on that group: {x}")
+            dist.destroy_process_group(g)
+    with fake_cupy(available=True):
+        if not registry.nccl_available():
+            problems.append("nccl_available() is False with a loadable libnccl and a GPU")
+    fail_together(problems)
+
+
+def test_runtime_refuses_nccl_unavailable(gpu):
+    problems: list[str] = []
+    rt = StandinRuntime(gpu, StandinNccl(gpu, available=False))
+    if getattr(rt.nccl, "available", True):
+        problems.append("the stand-in's nccl says available")
+    fail_together(problems)
+
+
+# -- finding 5: a failure on one rank never leaves the others hanging --------------------------------
+
+
+def test_allocation_failure_on_one_rank_raises_everywhere(gpu, nccl_backend):
+    """rank 0 cannot allocate a temporary: it raises DistBackendError; the others do not hang, and the
+    group is broken on every rank (the next call raises)."""
+    problems: list[str] = []
+    backend, _ = nccl_backend(timeout=3.0)
+    n = 16
+    inp = gpu.array(np.full(n, RANK + 1, np.float32))
+    outs = [gpu.empty(n, np.float32) for _ in range(SIZE)]  # separate outputs: gathered into a temporary
+    if RANK == 0:
+        gpu.fail_allocations(1)
+    first: BaseException | None = None
+    try:
+        backend.all_gather([darr(o) for o in outs], None, darr(inp), False)
+        outs[0].get()  # a host read: on a GPU it waits for the NCCL call
+    except StandinHangError as exc:
+        problems.append(f"a host read hung (a GPU would hang forever): {exc}")
+    except Exception as exc:  # noqa: BLE001 - the kind is checked below
+        first = exc
+    gpu.fail_allocations(0)
+    if RANK == 0 and not isinstance(first, DistBackendError):
+        problems.append(f"rank 0's failed allocation raised {type(first).__name__}: {first}, not DistBackendError")
+    deadline = time.monotonic() + 15
+    while backend._broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if backend._broken is None:
+        problems.append("the group is not marked broken")
+    x = gpu.array(np.ones(2, np.float32))
+    try:
+        backend.all_reduce(darr(x), None, R.SUM, False)
+        problems.append("a call after the failure did not raise")
+    except DistBackendError:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"a call after the failure raised {type(exc).__name__}: {exc}")
+    fail_together(problems)
