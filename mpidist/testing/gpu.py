@@ -337,7 +337,8 @@ class StandinOps(DeviceOps):
         def step() -> None:
             np.copyto(gpu.shadow(dst), gpu.shadow(src).reshape(dst.shape), casting="no")
 
-        gpu.enqueue(gpu.current, step)
+        gpu.enqueue(gpu.current, step)  # as cupy: on the current stream, done when it returns
+        gpu.synchronize()
 
     def to_host(self, dst: np.ndarray, src: DeviceArray) -> None:
         self.synchronize(src)
