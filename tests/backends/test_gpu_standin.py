@@ -214,14 +214,16 @@ def test_event_completes_only_after_the_gpu_ran(gpu, nccl_backend):
 # -- finding 3: cupy without libnccl ---------------------------------------------------------------
 
 
-def test_nccl_unavailable_falls_back_to_mpi():
-    """cupy imports without libnccl and says ``nccl.available = False``: NCCL is not available, MPI serves."""
+def test_nccl_unavailable_falls_back_to_mpi(gpu, monkeypatch):
+    """cupy imports without libnccl and says ``nccl.available = False``: NCCL is not available, MPI serves
+    GPU arrays (docs/devices.md: backend None -> "NCCL when cupy's NCCL bindings and a GPU are present, else MPI")."""
+    monkeypatch.setenv("MPIDIST_DEVICE_STAGING", "quiet")
     problems: list[str] = []
     with fake_cupy(available=False):
         if registry.nccl_available():
             problems.append("nccl_available() is True though cupy.cuda.nccl.available is False")
-        if dist.is_nccl_available():
-            problems.append("dist.is_nccl_available() is True without libnccl")
+        if dist.is_backend_available("nccl"):
+            problems.append("dist.is_backend_available('nccl') is True without libnccl")
         try:
             g = dist.new_group(backend="cpu:mpi,cuda:nccl")
         except Exception as exc:  # noqa: BLE001 - the failure is the finding
@@ -232,6 +234,15 @@ def test_nccl_unavailable_falls_back_to_mpi():
             if not (x == SIZE * (SIZE + 1) / 2).all():
                 problems.append(f"host all_reduce on that group: {x}")
             dist.destroy_process_group(g)
+        g = dist.new_group()  # backend None: NCCL if available, else MPI
+        y = gpu.array(np.full(5, RANK + 1.0))
+        try:
+            dist.all_reduce(y, group=g)
+            if not (y.get() == SIZE * (SIZE + 1) / 2).all():
+                problems.append(f"GPU all_reduce on a backend=None group without libnccl: {y.get()}")
+        except Exception as exc:  # noqa: BLE001 - the failure is the finding
+            problems.append(f"GPU all_reduce on a backend=None group without libnccl raised {exc!r}")
+        dist.destroy_process_group(g)
     with fake_cupy(available=True):
         if not registry.nccl_available():
             problems.append("nccl_available() is False with a loadable libnccl and a GPU")
