@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -165,6 +168,10 @@ class NCCLBase(BaseBackend):
         self._scratch: DeviceArray | None = None  # barrier's one element
         self._batch: list[Any] | None = None  # inside coalescing(): works and deferred steps
         self._broken: str | None = None  # why the communicator cannot be used any more
+        # (event, issued at, fn, seq) of every call, in issue order: the watchdog's view (async Works included)
+        self._watch: deque[tuple[Any, float, str, int]] = deque()
+        self._watch_lock = threading.Lock()
+        self._comm: Any = None
         where = f"nccl backend of group {group_name or '?'}"
         with rt.device(self.device):
             self.stream, self._stream_owner = rt.new_stream(self.device, high_priority)
@@ -174,6 +181,7 @@ class NCCLBase(BaseBackend):
                 self._comm = rt.communicator(self.size, uid, self.rank, comm)
             except Exception as exc:
                 raise DistBackendError(f"{where}: creating the NCCL communicator failed: {exc}") from exc
+        _Watchdog.watch(self)
 
     def describe(self) -> str:
         return f"group {self.group_name or '?'} (nccl on cuda:{self.device}, rank {self.rank} of {self.size})"
@@ -271,12 +279,20 @@ class NCCLBase(BaseBackend):
 
     @contextlib.contextmanager
     def _enqueue(self, fn: str, seq: int) -> Iterator[None]:
-        """Wrap errors of the runtime (NcclError, CUDA errors) in DistBackendError."""
+        """Wrap errors of the runtime in DistBackendError and mark the group broken.
+
+        Any failure here (NcclError, a CUDA error, cupy's OutOfMemoryError for a
+        temporary, cupy < 14's KeyError on ncclRemoteError) leaves the group's ranks
+        out of step: the peers may already be inside this call's NCCL kernel. So the
+        communicator is aborted; the peers' watchdog ends their wait within the
+        group's timeout, and every later call raises on every rank.
+        """
         try:
             yield
         except DistError:
             raise
-        except RuntimeError as exc:
+        except Exception as exc:
+            self._abort(f"its NCCL communicator was aborted after {fn} (call #{seq}) failed on this rank: {exc!r}")
             raise self.backend_error(fn, seq, exc) from exc
 
     @contextlib.contextmanager
@@ -344,6 +360,7 @@ class NCCLBase(BaseBackend):
         rt = self.rt
         event = rt.new_event(self.device)
         rt.record(event, self.stream)
+        self._watched(event, fn, seq)
         if async_op:
             return CudaWork(self, fn, seq, event, streams, keep, self.timeout_s, source, host_wait)
         for s in streams:
@@ -369,6 +386,8 @@ class NCCLBase(BaseBackend):
         def test() -> bool:
             if rt.query(event):
                 return True
+            if self._broken is not None:  # the watchdog aborted the communicator
+                raise DistBackendError(f"{fn} (call #{seq}) on {self.describe()}: {self._broken}")
             rt.check_async_error(comm)
             return False
 
@@ -391,10 +410,51 @@ class NCCLBase(BaseBackend):
         return self.backend_error(fn, seq, exc)
 
     def _abort(self, reason: str) -> None:
-        if self._broken is None:
-            self._broken = reason
-            with contextlib.suppress(Exception):
-                self.rt.abort(self._comm)
+        """Mark the group broken and abort the communicator on a thread of its own.
+
+        ``ncclCommAbort`` can block (NCCL >= 2.16 waits for its proxy threads): the
+        caller waits at most half a second for it, then goes on.
+        """
+        if self._broken is not None or self._comm is None:
+            return
+        self._broken = reason
+        rt, comm, device = self.rt, self._comm, self.device
+
+        def run() -> None:
+            with contextlib.suppress(Exception), rt.device(device):
+                rt.abort(comm)
+
+        t = threading.Thread(target=run, name="mpidist-nccl-abort", daemon=True)
+        t.start()
+        t.join(0.5)
+
+    # -- the watchdog ------------------------------------------------------------------------
+    def _watched(self, event: Any, fn: str, seq: int) -> None:
+        with self._watch_lock:
+            self._watch.append((event, time.monotonic(), fn, seq))
+
+    def watchdog_tick(self, now: float) -> None:
+        """One look of the watchdog: drop finished calls, enforce the timeout, poll NCCL's async error."""
+        if self._broken is not None or self._comm is None:
+            return
+        rt = self.rt
+        with rt.device(self.device):
+            with self._watch_lock:
+                q = self._watch
+                while q and rt.query(q[0][0]):
+                    q.popleft()
+                oldest = q[0] if q else None
+            if oldest is not None and now - oldest[1] > self.timeout_s:
+                _, _, fn, seq = oldest
+                self._abort(
+                    f"its NCCL communicator was aborted by the watchdog: {fn} (call #{seq}) did not complete "
+                    f"within the group's timeout of {self.timeout_s:g} s (a peer failed or never made the call)"
+                )
+                return
+            try:
+                rt.check_async_error(self._comm)
+            except Exception as exc:  # noqa: BLE001 - NcclError, or cupy < 14's KeyError on ncclRemoteError
+                self._abort(f"its NCCL communicator was aborted by the watchdog: NCCL reported {exc!r}")
 
     # -- plumbing ------------------------------------------------------------------------
     def adopt(self, reqs: Any, keep: Any) -> None:
@@ -408,7 +468,12 @@ class NCCLBase(BaseBackend):
         q = self._inflight
         while q and self.rt.query(q[0][0]):
             q.popleft()
-        return bool(self._stuck or q)
+        with self._watch_lock:
+            w = self._watch
+            while w and self.rt.query(w[0][0]):
+                w.popleft()
+            watched = bool(w)
+        return bool(self._stuck or q or watched)
 
     def shutdown(self) -> None:
         """Wait (within the timeout) for calls still running, then free the communicator.
@@ -421,8 +486,10 @@ class NCCLBase(BaseBackend):
         rt = self.rt
         with rt.device(self.device):
             inflight = self._inflight
-            if self._broken is None and inflight:
-                if not poll(lambda: all(rt.query(e) for e, _ in inflight), self.timeout_s, self.spins):
+            with self._watch_lock:
+                events = [e for e, _ in inflight] + [e for e, _, _, _ in self._watch]  # async Works too
+            if self._broken is None and events:
+                if not poll(lambda: all(rt.query(e) for e in events), self.timeout_s, self.spins):
                     self._abort("a call was still running when the group was destroyed")
             if self.pending():
                 world.unreleased.append((list(inflight), list(self._stuck)))
@@ -431,6 +498,7 @@ class NCCLBase(BaseBackend):
                     rt.destroy(self._comm)
         self._comm = None
         self._broken = "the group was destroyed"
+        _Watchdog.forget(self)
 
     @contextlib.contextmanager
     def coalescing(self) -> Iterator[None]:
@@ -468,6 +536,46 @@ class NCCLBase(BaseBackend):
                             step()
                     event = rt.new_event(self.device)
                     rt.record(event, self.stream)
+                    self._watched(event, fn, self.p2p_seq)
                     for step in batch:
                         if isinstance(step, CudaWork):
                             step._event = event
+
+
+class _Watchdog:
+    """One daemon thread for every nccl backend of the process (as torch's ProcessGroupNCCL watchdog).
+
+    Every ``INTERVAL`` seconds it looks at each live backend (:meth:`NCCLBase.watchdog_tick`):
+    a call older than the group's timeout, or an asynchronous NCCL error (a peer died,
+    ``ncclRemoteError``), aborts the communicator and marks the group broken, so a host
+    wait ends with a DistBackendError and later calls raise, instead of hanging.
+    """
+
+    INTERVAL = 0.1
+    _backends: weakref.WeakSet[NCCLBase] = weakref.WeakSet()
+    _thread: threading.Thread | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def watch(cls, backend: NCCLBase) -> None:
+        with cls._lock:
+            cls._backends.add(backend)
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._run, name="mpidist-nccl-watchdog", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def forget(cls, backend: NCCLBase) -> None:
+        with cls._lock:
+            cls._backends.discard(backend)
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(cls.INTERVAL)
+            with cls._lock:
+                backends = list(cls._backends)
+            now = time.monotonic()
+            for b in backends:
+                with contextlib.suppress(Exception):  # a runtime gone at interpreter exit
+                    b.watchdog_tick(now)

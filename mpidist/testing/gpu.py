@@ -140,7 +140,7 @@ class _Heap:
 
 
 class _Stream:
-    __slots__ = ("handle", "steps", "enq", "ran", "pending")
+    __slots__ = ("handle", "steps", "enq", "ran", "pending", "owner")
 
     def __init__(self, handle: int) -> None:
         self.handle = handle
@@ -148,6 +148,7 @@ class _Stream:
         self.enq = 0  # steps enqueued so far
         self.ran = 0  # steps finished so far
         self.pending: Any = None  # a started step not finished yet (an NCCL call)
+        self.owner: int | None = None  # the thread running a step of this stream now
 
 
 class StandinEvent:
@@ -279,24 +280,39 @@ class GpuStandin:
             self.synchronize(h)
 
     def _run(self, handle: int, upto: int) -> None:
+        """Run stream ``handle`` until ``upto`` steps have finished. Steps run outside the lock (a step
+        that waits for another stream runs that one), one thread at a time per stream."""
         deadline = time.monotonic() + self.hang_s
+        me = threading.get_ident()
         while True:
+            step = None
             with self.lock:  # released between polls: another thread may abort the communicator
                 s = self._stream(handle)
                 if s.ran >= upto:
                     return
-                if s.pending is None:
-                    _, step = s.steps.popleft()
+                if s.owner in (None, me):
+                    if s.pending is None:
+                        pos, step = s.steps.popleft()
+                        s.owner = me
+                    elif s.pending.test():
+                        s.pending = None
+                        s.ran += 1
+                        continue
+            if step is not None:
+                try:
                     result = step()
+                except BaseException:
+                    with self.lock:  # not run: it stays first in the stream
+                        s.owner = None
+                        s.steps.appendleft((pos, step))
+                    raise
+                with self.lock:
+                    s.owner = None
                     if result is not None and hasattr(result, "test"):
                         s.pending = result
                     else:
                         s.ran += 1
-                    continue
-                if s.pending.test():
-                    s.pending = None
-                    s.ran += 1
-                    continue
+                continue
             if time.monotonic() > deadline:
                 raise StandinHangError(
                     f"stand-in: stream {handle:#x} waits for an NCCL call that never completes "
@@ -513,11 +529,12 @@ class StandinComm:
         self.mpi = comm.Dup()
         self.rank, self.ndev = rank, ndev
         self.aborted = False
+        self.destroyed = False
         self.async_error: str | None = None
 
     def _issue(self, stream: int, start: Callable[[], _Pending]) -> None:
-        if self.aborted:
-            raise RuntimeError("NCCL error: invalid usage (the communicator was aborted)")
+        if self.aborted or self.destroyed:
+            raise RuntimeError("NCCL error: invalid usage (the communicator was aborted or destroyed)")
         if self.nccl.depth:
             self.nccl.grouped.append((stream, start))
         else:
@@ -641,9 +658,10 @@ class StandinComm:
         self.aborted = True
 
     def destroy(self) -> None:
-        if not self.aborted:
+        """ncclCommDestroy (after its calls): the communicator cannot be used again."""
+        if not self.aborted and not self.destroyed:
             self.mpi.Free()
-        self.aborted = True
+        self.destroyed = True
 
 
 class StandinRuntime(CudaRuntime):

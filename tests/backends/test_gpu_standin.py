@@ -10,6 +10,7 @@ and decides together (``fail_together``); blocking waits on the stand-in raise
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -294,4 +295,47 @@ def test_allocation_failure_on_one_rank_raises_everywhere(gpu, nccl_backend):
         pass
     except Exception as exc:  # noqa: BLE001
         problems.append(f"a call after the failure raised {type(exc).__name__}: {exc}")
+    fail_together(problems)
+
+
+def test_watchdog_aborts_on_an_async_nccl_error(gpu, nccl_backend):
+    """NCCL reports an asynchronous error (a peer died): the watchdog aborts the communicator by itself,
+    and the next call raises DistBackendError on every rank."""
+    problems: list[str] = []
+    backend, _ = nccl_backend()
+    backend._comm.async_error = "ncclRemoteError: remote process exited or there was a network error"
+    deadline = time.monotonic() + 10
+    while backend._broken is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if backend._broken is None or "ncclRemoteError" not in backend._broken:
+        problems.append(f"the watchdog did not mark the group broken: {backend._broken!r}")
+    if not backend._comm.aborted:
+        problems.append("the communicator was not aborted")
+    x = gpu.array(np.ones(2, np.float32))
+    try:
+        backend.all_reduce(darr(x), None, R.SUM, False)
+        problems.append("a call after the async error did not raise")
+    except DistBackendError:
+        pass
+    fail_together(problems)
+
+
+def test_shutdown_waits_for_async_works_nobody_waited_for(gpu, nccl_backend):
+    """destroy waits (within the timeout) for async calls still on the GPU instead of freeing under them."""
+    problems: list[str] = []
+    backend, _ = nccl_backend()
+    x = gpu.array(np.full(4, RANK + 1, np.float32))
+    work = backend.all_reduce(darr(x), None, R.SUM, True)
+    event = work._event  # the program holds the Work but never waits for it
+    runner = threading.Timer(0.5, gpu.synchronize_all)  # the GPU runs it a little later
+    runner.start()
+    comm = backend._comm
+    backend.shutdown()
+    runner.join(20)
+    if not gpu.query(event):
+        problems.append("shutdown returned before the GPU ran an async call")
+    if comm.aborted:
+        problems.append("shutdown aborted a call that completed within the timeout")
+    if not work.is_completed():
+        problems.append("the Work is not completed after shutdown")
     fail_together(problems)
