@@ -428,6 +428,11 @@ class NCCLBase(BaseBackend):
         t.start()
         t.join(0.5)
 
+    def abandon(self) -> None:
+        """The group was shrunk: abort the communicator (off the caller's thread); its calls end."""
+        self._abort("the group was replaced by shrink_group; its NCCL communicator was aborted")
+        _Watchdog.forget(self)
+
     # -- the watchdog ------------------------------------------------------------------------
     def _watched(self, event: Any, fn: str, seq: int) -> None:
         with self._watch_lock:

@@ -27,6 +27,7 @@ from mpidist.backends.mpi import MPIBackend
 from mpidist.backends.mpi_device import MPIDeviceBackend
 from mpidist.backends.nccl import NCCLBackend
 from mpidist.backends.shm import SharedPath
+from mpidist.testing import backend_of
 from mpidist.testing.gpu import GpuStandin, StandinHangError, StandinNccl, StandinRuntime, fake_cupy
 
 from helpers import copies, fail_together
@@ -339,3 +340,32 @@ def test_shutdown_waits_for_async_works_nobody_waited_for(gpu, nccl_backend):
     if not work.is_completed():
         problems.append("the Work is not completed after shutdown")
     fail_together(problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shrink_group_aborts_the_old_nccl_communicator(gpu):
+    """shrink_group gives the old group up: its NCCL communicator is aborted (not left running)."""
+    problems: list[str] = []
+    name = "standin_nccl"
+
+    def make(options, pg_options):
+        return NCCLBackend(options.comm, options.timeout.total_seconds(), options.group_id, runtime=StandinRuntime(gpu))
+
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, make, extended_api=True, devices=["cuda"])
+    g = dist.new_group(backend=f"cpu:mpi,cuda:{name}")
+    x = gpu.array(np.ones(3, np.float32))
+    dist.all_reduce(x, group=g)
+    gpu.synchronize_all()
+    old = backend_of(g, "cuda")
+    new = None
+    if RANK != SIZE - 1:  # only the remaining members call it
+        new = dist.shrink_group([SIZE - 1], group=g)
+        deadline = time.monotonic() + 5
+        while not old._comm.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not old._comm.aborted or old._broken is None:
+            problems.append(f"the old group's NCCL communicator was left running (broken={old._broken!r})")
+    fail_together(problems)
+    if new is not None:
+        dist.destroy_process_group(new)
