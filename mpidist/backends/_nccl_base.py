@@ -30,7 +30,7 @@ from ..arrays.host import DTYPES
 from ..errors import DistBackendError, DistError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, factor_value, invalid_op_error, resolve
 from ..work import poll
-from ._cuda import CudaRuntime, choose_device, share_unique_id
+from ._cuda import CudaRuntime, agree_devices, choose_device, share_unique_id
 from ._cuda_work import CudaWork
 from .base import BaseBackend
 
@@ -157,7 +157,16 @@ class NCCLBase(BaseBackend):
     ) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name, global_ranks)
         self.rt = rt = runtime
-        self.device = choose_device(rt, comm) if device is None else int(device)
+        self._comm: Any = None
+        where = f"nccl backend of group {group_name or '?'}"
+        failure: BaseException | None = None
+        try:
+            self.device = choose_device(rt, comm) if device is None else int(device)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it together (agree_devices)
+            self.device, failure = -1, exc
+        if failure is not None:  # the peers wait in the exchange of unique id and devices: join it, then raise
+            share_unique_id(rt, comm, timeout_s, where, take_part_only=True)
+            agree_devices(rt, comm, -1, failure, timeout_s, where)
         self.version = rt.nccl_version()
         self.has_avg = self.version[:2] >= _AVG_VERSION
         nccl = rt.nccl
@@ -171,12 +180,12 @@ class NCCLBase(BaseBackend):
         # (event, issued at, fn, seq) of every call, in issue order: the watchdog's view (async Works included)
         self._watch: deque[tuple[Any, float, str, int]] = deque()
         self._watch_lock = threading.Lock()
-        self._comm: Any = None
-        where = f"nccl backend of group {group_name or '?'}"
         with rt.device(self.device):
             self.stream, self._stream_owner = rt.new_stream(self.device, high_priority)
             self._dep = rt.new_event(self.device)  # re-recorded for every producer stream
             uid = share_unique_id(rt, comm, timeout_s, where)
+            agree_devices(rt, comm, self.device, None, timeout_s, where)  # the timed barrier before NCCL's init
+            assert uid is not None  # None only where rank 0 failed before, which agree_devices raised
             try:
                 self._comm = rt.communicator(self.size, uid, self.rank, comm)
             except Exception as exc:

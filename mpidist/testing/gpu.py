@@ -184,12 +184,14 @@ class GpuStandin:
 
     Args:
         hang_s: how long a blocking wait may take before :class:`StandinHangError`.
+        device: its device index (``cuda:device``): give each rank of a node its own.
     """
 
     #: the legacy default stream; 0 and 2 (per-thread default) mean it too
     DEFAULT = 1
 
-    def __init__(self, hang_s: float = 30.0) -> None:
+    def __init__(self, hang_s: float = 30.0, device: int = 0) -> None:
+        self.device = device  # its index (each rank's stand-in is its own GPU)
         self.heap = _Heap()
         self.hang_s = hang_s
         self.streams: dict[int, _Stream] = {}
@@ -394,6 +396,7 @@ class GpuArray:
 
     def __init__(self, gpu: GpuStandin, shape: Any, dtype: Any, stream: int | None = None) -> None:
         self.gpu = gpu
+        self.device = types.SimpleNamespace(id=gpu.device)  # as cupy.cuda.Device
         self.shape = tuple(int(s) for s in np.atleast_1d(np.asarray(shape, dtype=np.int64))) if shape != () else ()
         self.dtype = np.dtype(dtype)
         self.block = gpu.heap.alloc(max(1, int(np.prod(self.shape, dtype=np.int64))) * self.dtype.itemsize)
@@ -672,12 +675,24 @@ class StandinRuntime(CudaRuntime):
         nccl: its NCCL (default: a new, available one).
         devices: how many GPUs are visible.
         context: whether a CUDA context is current (a device is in use).
+        current: the current device (default: the stand-in's; ``torch.cuda.set_device`` may set it
+            without a context).
+        devices: how many GPUs are visible (default: the stand-in's index + 1).
     """
 
-    def __init__(self, gpu: GpuStandin, nccl: StandinNccl | None = None, devices: int = 1, context: bool = True):
+    def __init__(
+        self,
+        gpu: GpuStandin,
+        nccl: StandinNccl | None = None,
+        devices: int | None = None,
+        context: bool = True,
+        current: int | None = None,
+    ):
         super().__init__(None, nccl or StandinNccl(gpu), gpu.ops)
         self.gpu = gpu
-        self.devices, self.current, self.context = devices, 0, context
+        self.devices = gpu.device + 1 if devices is None else devices
+        self.current = gpu.device if current is None else current
+        self.context = context
 
     def takes(self, arr: Any) -> bool:
         return type(arr) is DeviceArray and arr.ops is self.gpu.ops

@@ -21,8 +21,9 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist import DistBackendError
 from mpidist._world import world
-from mpidist.arrays.device import DevicePointer, from_cuda_interface
+from mpidist.arrays.device import DeviceArray, DevicePointer, from_cuda_interface
 from mpidist.backends import registry
+from mpidist.backends._cuda import make_communicator
 from mpidist.backends.mpi import MPIBackend
 from mpidist.backends.mpi_device import MPIDeviceBackend
 from mpidist.backends.nccl import NCCLBackend
@@ -44,7 +45,7 @@ def darr(x: Any) -> Any:
 
 @pytest.fixture
 def gpu():
-    return GpuStandin(hang_s=20.0)
+    return GpuStandin(hang_s=20.0, device=RANK)  # one GPU per rank
 
 
 @pytest.fixture
@@ -268,14 +269,15 @@ def test_allocation_failure_on_one_rank_raises_everywhere(gpu, nccl_backend):
     problems: list[str] = []
     backend, _ = nccl_backend(timeout=3.0)
     n = 16
-    inp = gpu.array(np.full(n, RANK + 1, np.float32))
-    outs = [gpu.empty(n, np.float32) for _ in range(SIZE)]  # separate outputs: gathered into a temporary
+    out = gpu.empty(n * SIZE, np.float32)
+    # an input overlapping the output, not in this rank's block: NCCL needs a temporary copy of it
+    inp = DeviceArray(out.ptr + 4, (n,), np.dtype(np.float32), None, RANK, None, out, gpu.ops)
     if RANK == 0:
         gpu.fail_allocations(1)
     first: BaseException | None = None
     try:
-        backend.all_gather([darr(o) for o in outs], None, darr(inp), False)
-        outs[0].get()  # a host read: on a GPU it waits for the NCCL call
+        backend.all_gather_into_tensor(darr(out), None, inp, False)
+        out.get()  # a host read: on a GPU it waits for the NCCL call
     except StandinHangError as exc:
         problems.append(f"a host read hung (a GPU would hang forever): {exc}")
     except Exception as exc:  # noqa: BLE001 - the kind is checked below
@@ -369,3 +371,69 @@ def test_shrink_group_aborts_the_old_nccl_communicator(gpu):
     fail_together(problems)
     if new is not None:
         dist.destroy_process_group(new)
+
+
+# -- finding 4: communicators and devices -----------------------------------------------------------
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_on_every_rank(gpu, nccl_backend):
+    """One visible GPU, no device chosen: two ranks of a node would share it; every rank raises, naming them."""
+    problems: list[str] = []
+    try:
+        backend, _ = nccl_backend(context=False, devices=1, current=0)
+        if SIZE > 1:
+            problems.append(f"{SIZE} ranks on one GPU were accepted (this rank uses cuda:{backend.device})")
+    except DistBackendError as exc:
+        text = str(exc)
+        if SIZE == 1 or "cuda:0" not in text or f"group ranks {list(range(SIZE))}" not in text:
+            problems.append(f"the error does not name the ranks and the GPU: {text}")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"raised {type(exc).__name__}: {exc}")
+    fail_together(problems)
+
+
+def test_a_set_device_without_context_is_kept(gpu, nccl_backend):
+    """torch.cuda.set_device(i) may create no context: the current device (not 0) is the program's choice."""
+    problems: list[str] = []
+    want = SIZE - RANK  # 1..SIZE, not the node-local rank (except where they meet)
+    backend, _ = nccl_backend(context=False, devices=SIZE + 1, current=want)
+    if backend.device != want:
+        problems.append(f"the backend uses cuda:{backend.device}, the program chose cuda:{want}")
+    fail_together(problems)
+
+
+def test_a_rank_without_gpu_fails_every_rank_at_once(gpu, nccl_backend):
+    """One rank sees no GPU: every rank raises DistBackendError at once (not one RuntimeError and a timeout)."""
+    problems: list[str] = []
+    bad = SIZE - 1
+    start = time.monotonic()
+    try:
+        nccl_backend(timeout=20.0, devices=0 if RANK == bad else SIZE, context=False)
+        problems.append("no error")
+    except DistBackendError as exc:
+        if RANK != bad and f"group rank(s) [{bad}] could not choose a GPU" not in str(exc):
+            problems.append(f"the error does not name rank {bad}: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"raised {type(exc).__name__}: {exc}")
+    if time.monotonic() - start > 10:
+        problems.append(f"it took {time.monotonic() - start:.1f} s (the timeout, not an agreement)")
+    fail_together(problems)
+
+
+def test_unique_id_unsigned_char_form():
+    """cupy 13 on aarch64 takes the id as a tuple of unsigned chars and raises OverflowError for a negative one."""
+    problems: list[str] = []
+    seen: list[Any] = []
+
+    def ctor(size: int, uid: Any, rank: int) -> str:
+        if not isinstance(uid, tuple):
+            raise TypeError("Argument 'commId' has incorrect type (expected tuple, got bytes)")
+        if any(c < 0 or c > 255 for c in uid):
+            raise OverflowError("can't convert negative value to unsigned char")
+        seen.append(uid)
+        return "comm"
+
+    data = bytes(range(128, 256))  # every byte > 127: negative as signed chars
+    if make_communicator(ctor, 2, data, 0) != "comm" or seen != [tuple(data)]:
+        problems.append(f"the unsigned form was not passed: {seen}")
+    fail_together(problems)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_future_completes_only_after_the_gpu_ran():
     problems: list[str] = []
-    gpu = GpuStandin(hang_s=20.0)
+    gpu = GpuStandin(hang_s=20.0, device=RANK)  # one GPU per rank
     comm = MPI.COMM_WORLD.Dup()
     backend = NCCLBackend(comm, 30.0, "standin-torch", runtime=StandinRuntime(gpu))
     try:
