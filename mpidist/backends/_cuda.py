@@ -198,8 +198,45 @@ class CudaRuntime:
         return int(stream.ptr), stream
 
     def current_stream(self, device: int) -> int:
-        """The handle of cupy's current stream on ``device`` (0: the legacy default stream)."""
-        return int(self.cp.cuda.get_current_stream(device).ptr)
+        """The handle of the current stream on ``device``: cupy's if the program made one current, else
+        torch's where torch has initialized CUDA (``torch.cuda.stream(s)`` does not tell cupy), else 0
+        (the legacy default stream)."""
+        handle = int(self.cp.cuda.get_current_stream(device).ptr)
+        if handle == 0:
+            cuda = getattr(sys.modules.get("torch"), "cuda", None)
+            try:
+                if cuda is not None and cuda.is_initialized():
+                    return int(cuda.current_stream(device).cuda_stream)
+            except Exception:  # noqa: BLE001 - a torch without CUDA: cupy's answer stands
+                pass
+        return handle
+
+    def capturing(self, stream: int) -> bool:
+        """Return True while ``stream`` is being captured into a CUDA graph (``torch.cuda.graph``)."""
+        probe = getattr(self.cp.cuda.runtime, "streamIsCapturing", None)
+        if probe is None:
+            return False
+        try:
+            return int(probe(stream)) != 0
+        except Exception:  # noqa: BLE001 - the legacy stream in some modes: not capturing
+            return False
+
+    @contextlib.contextmanager
+    def relaxed_capture(self) -> Iterator[None]:
+        """Let this thread query events while another captures a graph in global mode (the watchdog).
+
+        ``cudaThreadExchangeStreamCaptureMode(relaxed)``: without it, an event query on
+        any thread invalidates a capture in progress. A cupy without the call: nothing.
+        """
+        exchange = getattr(self.cp.cuda.runtime, "threadExchangeStreamCaptureMode", None)
+        if exchange is None:
+            yield
+            return
+        old = exchange(2)  # cudaStreamCaptureModeRelaxed
+        try:
+            yield
+        finally:
+            exchange(old)
 
     def new_event(self, device: int) -> Any:
         with self.cp.cuda.Device(device):

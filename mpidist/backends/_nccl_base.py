@@ -180,6 +180,8 @@ class NCCLBase(BaseBackend):
         # (event, issued at, fn, seq) of every call, in issue order: the watchdog's view (async Works included)
         self._watch: deque[tuple[Any, float, str, int]] = deque()
         self._watch_lock = threading.Lock()
+        self._capturing = False  # the call being made is captured into a CUDA graph
+        self._captured: list[Any] = []  # buffers of captured calls: a graph may replay them at any time
         with rt.device(self.device):
             self.stream, self._stream_owner = rt.new_stream(self.device, high_priority)
             self._dep = rt.new_event(self.device)  # re-recorded for every producer stream
@@ -190,6 +192,7 @@ class NCCLBase(BaseBackend):
                 self._comm = rt.communicator(self.size, uid, self.rank, comm)
             except Exception as exc:
                 raise DistBackendError(f"{where}: creating the NCCL communicator failed: {exc}") from exc
+            self._scratch = rt.ops.empty((1,), _F32, self.device)  # now: barrier() may run in a graph capture
         _Watchdog.watch(self)
 
     def describe(self) -> str:
@@ -280,6 +283,7 @@ class NCCLBase(BaseBackend):
         if not streams:
             streams.append(self.rt.current_stream(self.device))
         rt, dep = self.rt, self._dep
+        self._capturing = any(rt.capturing(s) for s in streams)
         for s in streams:
             if s != self.stream:
                 rt.record(dep, s)
@@ -321,6 +325,11 @@ class NCCLBase(BaseBackend):
             step()
 
     def _temp(self, like: DeviceArray, count: int, keep: list[Any]) -> DeviceArray:
+        if self._capturing:  # every rank captures alike: every rank raises here, nothing was enqueued yet
+            raise DistBackendError(
+                f"{self.describe()}: this call needs a temporary buffer, which cannot be allocated while a CUDA "
+                "graph is being captured; capture it with in-place or back-to-back arrays, or call it outside"
+            )
         tmp = like.ops.empty((count,), like.dtype, self.device)
         keep.append(tmp)
         return tmp
@@ -369,6 +378,13 @@ class NCCLBase(BaseBackend):
         rt = self.rt
         event = rt.new_event(self.device)
         rt.record(event, self.stream)
+        if self._capturing:  # in a CUDA graph: no event query (it would end the capture); kept for replays
+            self._captured.append(keep)
+            if async_op:
+                return CudaWork(self, fn, seq, event, streams, None, self.timeout_s, source, False)
+            for s in streams:
+                rt.wait_event(s, event)
+            return None
         self._watched(event, fn, seq)
         if async_op:
             return CudaWork(self, fn, seq, event, streams, keep, self.timeout_s, source, host_wait)
@@ -452,7 +468,7 @@ class NCCLBase(BaseBackend):
         if self._broken is not None or self._comm is None:
             return
         rt = self.rt
-        with rt.device(self.device):
+        with rt.device(self.device), rt.relaxed_capture():  # a graph captured meanwhile stays valid
             with self._watch_lock:
                 q = self._watch
                 while q and rt.query(q[0][0]):

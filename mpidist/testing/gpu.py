@@ -53,6 +53,7 @@ __all__ = [
     "StandinRuntime",
     "StandinNccl",
     "StandinHangError",
+    "StandinCaptureError",
     "OutOfMemoryError",
     "fake_cupy",
 ]
@@ -73,6 +74,10 @@ class OutOfMemoryError(MemoryError):
 
 class StandinHangError(RuntimeError):
     """A blocking wait on the stand-in that a GPU would never finish (it would hang)."""
+
+
+class StandinCaptureError(RuntimeError):
+    """A call CUDA forbids while a graph is captured (global mode): the capture is invalidated."""
 
 
 class _Block:
@@ -198,6 +203,10 @@ class GpuStandin:
         self.current = self.DEFAULT
         self._next = 0x7000
         self.lock = threading.RLock()
+        self.capturing: set[int] = set()  # streams being captured into a graph (global mode)
+        self.capture_broken: str | None = None  # what invalidated the capture in progress
+        self.graph: list[Any] = []  # the steps captured (never run: replays are not modelled)
+        self._relaxed = threading.local()  # threads in cudaStreamCaptureModeRelaxed
         self.ops = StandinOps(self)
         # mpidist looks the device ops up on the type: one class per stand-in
         self.Array: type[GpuArray] = type("GpuArray", (GpuArray,), {"__mpidist_device_ops__": self.ops})
@@ -222,6 +231,37 @@ class GpuStandin:
             return np.empty(0, dtype)
         return self.heap.shadow(ptr, count * dtype.itemsize).view(dtype)
 
+    # -- graph capture -----------------------------------------------------------------------
+    def begin_capture(self, stream: int) -> None:
+        """Start capturing ``stream`` (as ``torch.cuda.graph``, global mode): work enqueued on it, or on a
+        stream that waits for one of its events, goes into the graph; an event query or an allocation
+        on any thread (not in relaxed mode) invalidates the capture and raises StandinCaptureError."""
+        self.capturing.add(stream)
+        self.capture_broken = None
+
+    def end_capture(self) -> str | None:
+        """End every capture; return what invalidated it (None: the graph is valid)."""
+        self.capturing.clear()
+        broken, self.capture_broken = self.capture_broken, None
+        return broken
+
+    @contextlib.contextmanager
+    def relaxed(self) -> Iterator[None]:
+        """This thread in ``cudaStreamCaptureModeRelaxed``: its queries leave a capture alone."""
+        self._relaxed.on = True
+        try:
+            yield
+        finally:
+            self._relaxed.on = False
+
+    def unsafe(self, what: str) -> None:
+        """A call CUDA forbids during a global-mode capture: raise if one is in progress."""
+        if self.capturing and not getattr(self._relaxed, "on", False):
+            self.capture_broken = self.capture_broken or what
+            raise StandinCaptureError(
+                f"{what} while a CUDA graph is captured (cudaErrorStreamCaptureUnsupported); the capture is invalidated"
+            )
+
     # -- streams and events ----------------------------------------------------------------
     def _stream(self, handle: int | None) -> _Stream:
         h = self.DEFAULT if handle in (None, 0, 2) else int(handle)
@@ -244,12 +284,18 @@ class GpuStandin:
         """
         with self.lock:
             s = self._stream(stream)
+            if s.handle in self.capturing:
+                self.graph.append(step)  # recorded into the graph, not run
+                return
             s.steps.append((s.enq, step))
             s.enq += 1
 
     def record(self, event: StandinEvent, stream: int | None) -> None:
         with self.lock:
             s = self._stream(stream)
+            if s.handle in self.capturing:  # a node of the graph: nothing to wait for outside it
+                event.stream, event.pos = None, 0
+                return
             event.stream, event.pos = s.handle, s.enq
 
     def wait_event(self, stream: int | None, event: StandinEvent) -> None:
@@ -257,11 +303,14 @@ class GpuStandin:
         if event.stream is None:
             return
         src, pos = event.stream, event.pos
+        if src in self.capturing:  # the waiting stream joins the capture
+            self.capturing.add(self._stream(stream).handle)
         self.enqueue(stream, lambda: self._run(src, pos))
 
     def query(self, event: StandinEvent) -> bool:
         """True once the event's stream has run up to it. A query orders nothing: only a
         call already running (an NCCL call a synchronize started) advances."""
+        self.unsafe("cudaEventQuery")
         if event.stream is None:
             return True
         with self.lock:
@@ -346,6 +395,7 @@ class StandinOps(DeviceOps):
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, device: int) -> DeviceArray:
         dtype = np.dtype(dtype)
+        self.gpu.unsafe("cudaMalloc")
         block = self.gpu.heap.alloc(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         return DeviceArray(block.addr, tuple(shape), dtype, None, device, None, block, self)
 
@@ -395,6 +445,7 @@ class GpuArray:
     """
 
     def __init__(self, gpu: GpuStandin, shape: Any, dtype: Any, stream: int | None = None) -> None:
+        gpu.unsafe("cudaMalloc")
         self.gpu = gpu
         self.device = types.SimpleNamespace(id=gpu.device)  # as cupy.cuda.Device
         self.shape = tuple(int(s) for s in np.atleast_1d(np.asarray(shape, dtype=np.int64))) if shape != () else ()
@@ -739,6 +790,12 @@ class StandinRuntime(CudaRuntime):
 
     def divide(self, arr: DeviceArray, n: int, stream: int) -> None:
         self.gpu.enqueue(stream, lambda: self.gpu.ops.divide(arr, n))
+
+    def capturing(self, stream: int) -> bool:
+        return stream in self.gpu.capturing
+
+    def relaxed_capture(self) -> contextlib.AbstractContextManager[Any]:
+        return self.gpu.relaxed()
 
     def communicator(self, size: int, uid: bytes, rank: int, comm: Any) -> Any:
         self.nccl.bound = comm

@@ -10,8 +10,10 @@ and decides together (``fail_together``); blocking waits on the stand-in raise
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from mpidist import DistBackendError
 from mpidist._world import world
 from mpidist.arrays.device import DeviceArray, DevicePointer, from_cuda_interface
 from mpidist.backends import registry
-from mpidist.backends._cuda import make_communicator
+from mpidist.backends._cuda import CudaRuntime, make_communicator
 from mpidist.backends.mpi import MPIBackend
 from mpidist.backends.mpi_device import MPIDeviceBackend
 from mpidist.backends.nccl import NCCLBackend
@@ -436,4 +438,67 @@ def test_unique_id_unsigned_char_form():
     data = bytes(range(128, 256))  # every byte > 127: negative as signed chars
     if make_communicator(ctor, 2, data, 0) != "comm" or seen != [tuple(data)]:
         problems.append(f"the unsigned form was not passed: {seen}")
+    fail_together(problems)
+
+
+# -- finding 6: torch's current stream; graph capture --------------------------------------------------
+
+
+def test_current_stream_is_torchs_when_cupys_is_the_default(monkeypatch):
+    """barrier() and Work.wait() order "the current stream": in a torch program that is torch's
+    (``torch.cuda.stream(s)`` does not tell cupy)."""
+    problems: list[str] = []
+    fake_cp = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda d: types.SimpleNamespace(ptr=0))
+    )
+    fake_torch = types.ModuleType("torch")
+    fake_torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        is_initialized=lambda: True, current_stream=lambda d: types.SimpleNamespace(cuda_stream=0xBEEF)
+    )
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    rt = CudaRuntime(fake_cp, None, ops=object())  # type: ignore[arg-type]
+    if rt.current_stream(0) != 0xBEEF:
+        problems.append(f"current_stream gave {rt.current_stream(0):#x}, torch's current stream is 0xbeef")
+    fake_cp.cuda.get_current_stream = lambda d: types.SimpleNamespace(ptr=0x77)
+    if rt.current_stream(0) != 0x77:
+        problems.append("a cupy stream the program made current was not kept")
+    fail_together(problems)
+
+
+def test_graph_capture_makes_no_event_query_or_allocation(gpu, nccl_backend):
+    """Inside a CUDA graph capture (global mode) the backend queries no event (nor does its watchdog) and
+    allocates nothing: a call that needs a temporary raises a clear DistBackendError on every rank."""
+    problems: list[str] = []
+    backend, _ = nccl_backend()
+    n = 8
+    x = gpu.array(np.ones(n, np.float32))
+    y = gpu.array(np.ones(n, np.float32))
+    out = gpu.empty(n * SIZE, np.float32)
+    inp = DeviceArray(out.ptr + 4, (n,), np.dtype(np.float32), None, RANK, None, out, gpu.ops)
+    backend.all_reduce(darr(x), None, R.SUM, False)  # not run yet: its event is pending (tracked, watched)
+    cap = gpu.new_stream()
+    gpu.current = cap
+    gpu.begin_capture(cap)
+    try:
+        try:
+            backend.all_reduce(darr(y), None, R.SUM, False)
+            backend.barrier(False)
+        except Exception as exc:  # noqa: BLE001 - the finding
+            problems.append(f"a captured call raised {type(exc).__name__}: {exc}")
+        try:
+            backend.all_gather_into_tensor(darr(out), None, inp, False)
+            problems.append("a captured call that needs a temporary did not raise")
+        except DistBackendError as exc:
+            if "graph" not in str(exc):
+                problems.append(f"unclear error: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"a captured call needing a temporary raised {type(exc).__name__}: {exc}")
+        time.sleep(0.3)  # the watchdog looks at the pending call meanwhile
+    finally:
+        broken = gpu.end_capture()
+        gpu.current = gpu.DEFAULT
+    if broken:
+        problems.append(f"the capture was invalidated by {broken}")
+    if backend._broken is not None:
+        problems.append(f"the group broke: {backend._broken}")
     fail_together(problems)
