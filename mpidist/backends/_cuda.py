@@ -211,9 +211,13 @@ class CudaRuntime:
                 pass
         return handle
 
+    def _runtime_call(self, name: str) -> Any:
+        """``cupy.cuda.runtime.<name>``, or None where this cupy (or a runtime without cupy) has none."""
+        return getattr(getattr(getattr(self.cp, "cuda", None), "runtime", None), name, None)
+
     def capturing(self, stream: int) -> bool:
         """Return True while ``stream`` is being captured into a CUDA graph (``torch.cuda.graph``)."""
-        probe = getattr(self.cp.cuda.runtime, "streamIsCapturing", None)
+        probe = self._runtime_call("streamIsCapturing")
         if probe is None:
             return False
         try:
@@ -228,7 +232,7 @@ class CudaRuntime:
         ``cudaThreadExchangeStreamCaptureMode(relaxed)``: without it, an event query on
         any thread invalidates a capture in progress. A cupy without the call: nothing.
         """
-        exchange = getattr(self.cp.cuda.runtime, "threadExchangeStreamCaptureMode", None)
+        exchange = self._runtime_call("threadExchangeStreamCaptureMode")
         if exchange is None:
             yield
             return
