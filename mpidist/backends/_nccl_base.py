@@ -180,6 +180,7 @@ class NCCLBase(BaseBackend):
         # (event, issued at, fn, seq) of every call, in issue order: the watchdog's view (async Works included)
         self._watch: deque[tuple[Any, float, str, int]] = deque()
         self._watch_lock = threading.Lock()
+        self._abort_lock = threading.Lock()
         self._capturing = False  # the call being made is captured into a CUDA graph
         self._captured: list[Any] = []  # buffers of captured calls: a graph may replay them at any time
         with rt.device(self.device):
@@ -412,12 +413,17 @@ class NCCLBase(BaseBackend):
             if rt.query(event):
                 return True
             if self._broken is not None:  # the watchdog aborted the communicator
-                raise DistBackendError(f"{fn} (call #{seq}) on {self.describe()}: {self._broken}")
+                raise _WatchdogAbortError(self._broken)
             rt.check_async_error(comm)
             return False
 
         try:
             finished = poll(test, limit, self.spins, (self.group_name, fn, seq))
+        except _WatchdogAbortError as stop:
+            self.keep_stuck(event, keep)
+            if stop.timed_out:  # the same error as a host wait that timed out itself
+                raise self.timeout_failure(fn, seq, limit) from None
+            raise DistBackendError(f"{fn} (call #{seq}) on {self.describe()}: {stop}") from None
         except DistError:
             raise
         except Exception as exc:
@@ -440,18 +446,19 @@ class NCCLBase(BaseBackend):
         ``ncclCommAbort`` can block (NCCL >= 2.16 waits for its proxy threads): the
         caller waits at most half a second for it, then goes on.
         """
-        if self._broken is not None or self._comm is None:
-            return
-        self._broken = reason
-        rt, comm, device = self.rt, self._comm, self.device
+        with self._abort_lock:  # a second caller (the watchdog, a host wait) returns once the group is broken
+            if self._broken is not None or self._comm is None:
+                return
+            rt, comm, device = self.rt, self._comm, self.device
 
-        def run() -> None:
-            with contextlib.suppress(Exception), rt.device(device):
-                rt.abort(comm)
+            def run() -> None:
+                with contextlib.suppress(Exception), rt.device(device):
+                    rt.abort(comm)
 
-        t = threading.Thread(target=run, name="mpidist-nccl-abort", daemon=True)
-        t.start()
-        t.join(0.5)
+            t = threading.Thread(target=run, name="mpidist-nccl-abort", daemon=True)
+            t.start()
+            t.join(0.5)
+            self._broken = reason
 
     def abandon(self) -> None:
         """The group was shrunk: abort the communicator (off the caller's thread); its calls end."""
@@ -477,8 +484,8 @@ class NCCLBase(BaseBackend):
             if oldest is not None and now - oldest[1] > self.timeout_s:
                 _, _, fn, seq = oldest
                 self._abort(
-                    f"its NCCL communicator was aborted by the watchdog: {fn} (call #{seq}) did not complete "
-                    f"within the group's timeout of {self.timeout_s:g} s (a peer failed or never made the call)"
+                    f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out: the watchdog found it "
+                    f"unfinished after the group's timeout of {self.timeout_s:g} s (a peer failed or never made the call)"
                 )
                 return
             try:
@@ -570,6 +577,14 @@ class NCCLBase(BaseBackend):
                     for step in batch:
                         if isinstance(step, CudaWork):
                             step._event = event
+
+
+class _WatchdogAbortError(Exception):
+    """Raised inside a host wait's poll when the watchdog has aborted the communicator meanwhile."""
+
+    @property
+    def timed_out(self) -> bool:
+        return "timed out" in str(self)
 
 
 class _Watchdog:
