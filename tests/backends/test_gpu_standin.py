@@ -303,12 +303,21 @@ def test_allocation_failure_on_one_rank_raises_everywhere(gpu, nccl_backend):
     fail_together(problems)
 
 
-def test_watchdog_aborts_on_an_async_nccl_error(gpu, nccl_backend):
+@pytest.mark.parametrize("form", ["NcclError", "KeyError"])
+def test_watchdog_aborts_on_an_async_nccl_error(gpu, nccl_backend, form):
     """NCCL reports an asynchronous error (a peer died): the watchdog aborts the communicator by itself,
-    and the next call raises DistBackendError on every rank."""
+    and the next call raises DistBackendError on every rank. cupy < 14 raises KeyError(6) for
+    ncclRemoteError (its error table lacks the code): caught the same way."""
     problems: list[str] = []
     backend, _ = nccl_backend()
-    backend._comm.async_error = "ncclRemoteError: remote process exited or there was a network error"
+    if form == "KeyError":
+
+        def remote_error() -> None:
+            raise KeyError("6 (ncclRemoteError)")
+
+        backend._comm.check_async_error = remote_error
+    else:
+        backend._comm.async_error = "ncclRemoteError: remote process exited or there was a network error"
     deadline = time.monotonic() + 10
     while backend._broken is None and time.monotonic() < deadline:
         time.sleep(0.02)
