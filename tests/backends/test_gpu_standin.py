@@ -31,7 +31,8 @@ from mpidist.backends.mpi_device import MPIDeviceBackend
 from mpidist.backends.nccl import NCCLBackend
 from mpidist.backends.shm import SharedPath
 from mpidist.testing import backend_of
-from mpidist.testing.gpu import GpuStandin, StandinHangError, StandinNccl, StandinRuntime, fake_cupy
+from mpidist.testing.gpu import GpuStandin, StandinHangError
+from mpidist.testing.gpu_nccl import StandinNccl, StandinRuntime, fake_cupy
 
 from helpers import copies, fail_together
 

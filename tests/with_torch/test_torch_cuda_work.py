@@ -19,7 +19,8 @@ pytest.importorskip("torch")
 import mpidist as dist  # noqa: E402
 from mpidist.arrays.device import from_cuda_interface  # noqa: E402
 from mpidist.backends.nccl import NCCLBackend  # noqa: E402
-from mpidist.testing.gpu import GpuStandin, StandinRuntime  # noqa: E402
+from mpidist.testing.gpu import GpuStandin  # noqa: E402
+from mpidist.testing.gpu_nccl import StandinRuntime  # noqa: E402
 from mpidist.torch._work import TorchWork  # noqa: E402
 
 from helpers import fail_together  # noqa: E402
