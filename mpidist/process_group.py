@@ -421,6 +421,9 @@ class ProcessGroup:
             return
         self.destroyed = True
         world.unreleased.append(self)
+        for backend in self.backends():
+            with contextlib.suppress(Exception):  # best effort: the group is given up either way
+                backend.abandon()  # nccl: the old communicator is aborted, off this thread
 
     def backends(self) -> list[BaseBackend]:
         """The group's backends (host, device, those made on first use), without the debug wrappers."""

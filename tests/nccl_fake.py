@@ -369,6 +369,10 @@ class FakeRuntime(CudaRuntime):
     def device_chosen(self) -> bool:
         return self.context
 
+    def node_key(self) -> str:
+        """Each rank on a node of its own: every rank's "GPU 0" is another GPU."""
+        return f"fake-node-{MPI.COMM_WORLD.Get_rank()}"
+
     def set_device(self, device: int) -> None:
         self.log.append(("set_device", device))
         self.current, self.context = device, True

@@ -37,6 +37,7 @@ __all__ = [
     "from_torch_cuda",
     "from_dlpack",
     "mpi_cuda_aware",
+    "DevicePointer",
     "BFLOAT16",
 ]
 
@@ -149,6 +150,30 @@ def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> t
     return lo, hi
 
 
+class DevicePointer(np.ndarray):
+    """A numpy array over device memory: a message for a CUDA-aware MPI call, and nothing else.
+
+    Its metadata (shape, dtype, address, views of it) may be used on the host; its
+    memory may not: numpy functions and ufuncs on it raise TypeError instead of
+    reading GPU memory (a SIGSEGV on a GPU node), and host-side paths of the MPI
+    backend (shared memory, packing, staging) must refuse it or stage the array first.
+    """
+
+    #: numpy functions that look only at metadata
+    _METADATA = frozenset({"shares_memory", "may_share_memory", "shape", "ndim", "size", "result_type"})
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func.__name__ in self._METADATA:
+            return super().__array_function__(func, types, args, kwargs)
+        raise TypeError(f"numpy.{func.__name__}: a device pointer reached host code (only MPI calls may take it)")
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"numpy.{ufunc.__name__}: a device pointer reached host code (only MPI calls may take it)")
+
+    def copy(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("copy: a device pointer reached host code (only MPI calls may take it)")
+
+
 class DeviceOps:
     """What a backend needs from the device runtime; one implementation per runtime."""
 
@@ -185,6 +210,15 @@ class DeviceOps:
     def divide(self, arr: DeviceArray, n: int) -> None:
         """Divide in place (AVG): true division for floats, truncation toward zero for integers."""
         raise NotImplementedError
+
+    def mpi_buffer(self, arr: DeviceArray) -> DevicePointer:
+        """What a CUDA-aware MPI is given for ``arr`` (contiguous): a :class:`DevicePointer` over its memory."""
+        if arr.nbytes == 0:
+            return np.empty(arr.shape, arr.dtype).view(DevicePointer)
+        from mpi4py import MPI  # deferred: importing mpidist must not start MPI
+
+        raw = MPI.buffer.fromaddress(arr.ptr, arr.nbytes)
+        return np.frombuffer(raw, arr.dtype).reshape(arr.shape).view(DevicePointer)
 
 
 class CupyOps(DeviceOps):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import zlib
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -35,6 +37,7 @@ __all__ = [
     "make_communicator",
     "parse_version",
     "choose_device",
+    "agree_devices",
     "share_unique_id",
     "bfloat16_apply",
 ]
@@ -64,25 +67,33 @@ def uid_bytes(uid: Any) -> bytes:
     return data
 
 
-def uid_tuple(data: bytes) -> tuple[int, ...]:
-    """Return 128 bytes as the tuple of signed ``char`` values that cupy < 14 takes."""
+def uid_tuple(data: bytes, signed: bool = True) -> tuple[int, ...]:
+    """Return 128 bytes as the tuple of ``char`` values that cupy < 14 takes.
+
+    ``char`` is signed on x86-64 (-128..127) and unsigned on aarch64 (0..255, GH200):
+    cupy 13 there raises OverflowError for a negative value.
+    """
+    if not signed:
+        return tuple(data)
     return tuple(b - 256 if b > 127 else b for b in data)
 
 
 def make_communicator(ctor: Callable[..., Any], size: int, uid: bytes, rank: int) -> Any:
     """Call ``NcclCommunicator(size, uid, rank)`` with the unique id in the form this cupy takes.
 
-    cupy >= 14 declares the id as ``bytes``, older versions as ``tuple``; a Cython
-    argument of the wrong type raises TypeError before anything happens, so the
-    other form is tried then.
+    cupy >= 14 declares the id as ``bytes``, older versions as a tuple of ``char``
+    (signed or unsigned, by platform); a Cython argument of the wrong type raises
+    TypeError, a value out of the ``char`` range OverflowError, before anything
+    happens, so the next form is tried then.
     """
-    try:
-        return ctor(size, uid, rank)
-    except TypeError as first:
+    first: BaseException | None = None
+    for form in (uid, uid_tuple(uid), uid_tuple(uid, signed=False)):
         try:
-            return ctor(size, uid_tuple(uid), rank)
-        except TypeError:
-            raise first from None
+            return ctor(size, form, rank)
+        except (TypeError, OverflowError) as exc:
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def parse_version(code: int) -> tuple[int, int, int]:
@@ -148,12 +159,25 @@ class CudaRuntime:
         return int(self.cp.cuda.runtime.getDevice())
 
     def device_chosen(self) -> bool:
-        """Return True if this thread already uses a device (a CUDA context is current).
+        """Return True if this thread already uses a device: a CUDA context is current, or torch has
+        initialized CUDA (``choose_device`` also keeps any current device other than 0).
 
-        ``torch.cuda.set_device``, ``cupy.cuda.Device(i).use()`` and any allocation
-        make one current; a process that has not touched a GPU has none.
+        ``cupy.cuda.Device(i).use()`` and any allocation make a context current;
+        ``torch.cuda.set_device(i)`` may not (torch creates contexts lazily), so a
+        current device other than 0 counts as chosen too.
         """
-        return int(self.cp.cuda.driver.ctxGetCurrent()) != 0
+        if int(self.cp.cuda.driver.ctxGetCurrent()) != 0:
+            return True
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)
+        try:
+            return bool(cuda is not None and cuda.is_initialized())
+        except Exception:  # noqa: BLE001 - a torch without CUDA
+            return False
+
+    def node_key(self) -> str:
+        """What tells this process's node from others (two ranks with one key share its GPUs)."""
+        return MPI.Get_processor_name()
 
     def set_device(self, device: int) -> None:
         self.cp.cuda.runtime.setDevice(device)
@@ -174,8 +198,49 @@ class CudaRuntime:
         return int(stream.ptr), stream
 
     def current_stream(self, device: int) -> int:
-        """The handle of cupy's current stream on ``device`` (0: the legacy default stream)."""
-        return int(self.cp.cuda.get_current_stream(device).ptr)
+        """The handle of the current stream on ``device``: cupy's if the program made one current, else
+        torch's where torch has initialized CUDA (``torch.cuda.stream(s)`` does not tell cupy), else 0
+        (the legacy default stream)."""
+        handle = int(self.cp.cuda.get_current_stream(device).ptr)
+        if handle == 0:
+            cuda = getattr(sys.modules.get("torch"), "cuda", None)
+            try:
+                if cuda is not None and cuda.is_initialized():
+                    return int(cuda.current_stream(device).cuda_stream)
+            except Exception:  # noqa: BLE001 - a torch without CUDA: cupy's answer stands
+                pass
+        return handle
+
+    def _runtime_call(self, name: str) -> Any:
+        """``cupy.cuda.runtime.<name>``, or None where this cupy (or a runtime without cupy) has none."""
+        return getattr(getattr(getattr(self.cp, "cuda", None), "runtime", None), name, None)
+
+    def capturing(self, stream: int) -> bool:
+        """Return True while ``stream`` is being captured into a CUDA graph (``torch.cuda.graph``)."""
+        probe = self._runtime_call("streamIsCapturing")
+        if probe is None:
+            return False
+        try:
+            return int(probe(stream)) != 0
+        except Exception:  # noqa: BLE001 - the legacy stream in some modes: not capturing
+            return False
+
+    @contextlib.contextmanager
+    def relaxed_capture(self) -> Iterator[None]:
+        """Let this thread query events while another captures a graph in global mode (the watchdog).
+
+        ``cudaThreadExchangeStreamCaptureMode(relaxed)``: without it, an event query on
+        any thread invalidates a capture in progress. A cupy without the call: nothing.
+        """
+        exchange = self._runtime_call("threadExchangeStreamCaptureMode")
+        if exchange is None:
+            yield
+            return
+        old = exchange(2)  # cudaStreamCaptureModeRelaxed
+        try:
+            yield
+        finally:
+            exchange(old)
 
     def new_event(self, device: int) -> Any:
         with self.cp.cuda.Device(device):
@@ -281,7 +346,12 @@ def _node_local_rank(comm: Any) -> int:
 
 
 def choose_device(rt: CudaRuntime, comm: Any) -> int:
-    """Return the GPU a new NCCL backend uses (see the module docstring), and make it current.
+    """Return the GPU a new NCCL backend uses, and make it current.
+
+    The device the program chose (a CUDA context current, torch's CUDA initialized,
+    or a current device other than 0: ``torch.cuda.set_device(i)`` need not create a
+    context), else the node-local rank's. :func:`agree_devices` then checks that no
+    two ranks of a node share one.
 
     Raises:
         RuntimeError: no CUDA device is visible.
@@ -289,22 +359,73 @@ def choose_device(rt: CudaRuntime, comm: Any) -> int:
     count = rt.device_count()
     if count < 1:
         raise RuntimeError("the nccl backend: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES)")
-    if rt.device_chosen():
-        return rt.current_device()
+    current = rt.current_device()
+    if current != 0 or rt.device_chosen():
+        return current
     device = _node_local_rank(comm) % count
     rt.set_device(device)
     return device
 
 
-def share_unique_id(rt: CudaRuntime, comm: Any, timeout_s: float, where: str) -> bytes:
+def agree_devices(
+    rt: CudaRuntime, comm: Any, device: int, failure: BaseException | None, timeout_s: float, where: str
+) -> None:
+    """A timed exchange of every rank's (node, GPU) before ``ncclCommInitRank``; raise on every rank alike.
+
+    It is the barrier that ``ncclCommInitRank`` needs (every rank has the unique id,
+    so none enters NCCL's unbounded bootstrap alone), and it turns a rank that could
+    not pick a GPU, or two ranks of one node on one GPU (more ranks than GPUs), into
+    a DistBackendError on every rank that names the ranks and the GPU.
+    """
+    node = zlib.crc32(rt.node_key().encode())
+    mine = np.array([node, device if failure is None else -1], np.int64)
+    table = np.empty((comm.Get_size(), 2), np.int64)
+    req = comm.Iallgather(mine, table)
+    if not poll(req.Test, timeout_s):
+        world.unreleased.append((req, mine, table))  # MPI may still write into them: never free
+        raise DistBackendError(
+            f"{where}: not every rank of the group reached NCCL's set-up within the timeout of {timeout_s:g} s "
+            "(a rank failed earlier, or did not create the group)"
+        )
+    if failure is not None:
+        raise DistBackendError(f"{where}: this rank could not choose a GPU: {failure}") from failure
+    failed = [r for r in range(len(table)) if table[r, 1] < 0]
+    if failed:
+        raise DistBackendError(f"{where}: group rank(s) {failed} could not choose a GPU (see their error)")
+    shared: dict[tuple[int, int], list[int]] = {}
+    for r, (n, d) in enumerate(table.tolist()):
+        shared.setdefault((n, d), []).append(r)
+    for (_, d), ranks in shared.items():
+        if len(ranks) > 1:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+            raise DistBackendError(
+                f"{where}: group ranks {ranks} run on one node and would all use cuda:{d}; NCCL cannot put two "
+                f"ranks of a communicator on one GPU, and this process sees {rt.device_count()} GPU(s){shown}. "
+                "Run at most one rank per GPU on each node, or give each rank its own GPU "
+                "(torch.cuda.set_device) before creating the group"
+            )
+
+
+#: the first byte of share_unique_id's message: the id follows; rank 0 could not create it; rank 0 failed
+#: before (it could not choose a GPU: agree_devices, which every rank reaches next, says so)
+_UID_OK, _UID_FAILED, _UID_SKIPPED = 1, 0, 2
+
+
+def share_unique_id(
+    rt: CudaRuntime, comm: Any, timeout_s: float, where: str, take_part_only: bool = False
+) -> bytes | None:
     """Create the NCCL unique id on rank 0 and broadcast it over ``comm`` (bounded by ``timeout_s``).
 
     The first byte says whether rank 0 could create it, so a failure there is an
-    error on every rank instead of a wait until the timeout.
+    error on every rank instead of a wait until the timeout. ``take_part_only``: this
+    rank failed before and only joins the broadcast; returns None where rank 0 did so.
     """
     buf = np.zeros(UID_BYTES + 1, np.uint8)
     failure: BaseException | None = None
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0 and take_part_only:
+        buf[0] = _UID_SKIPPED
+    elif comm.Get_rank() == 0:
         try:
             buf[1:] = np.frombuffer(rt.unique_id(), np.uint8)
             buf[0] = 1
@@ -319,7 +440,9 @@ def share_unique_id(rt: CudaRuntime, comm: Any, timeout_s: float, where: str) ->
         )
     if failure is not None:
         raise DistBackendError(f"{where}: NCCL could not create a unique id: {failure}") from failure
-    if buf[0] != 1:
+    if buf[0] == _UID_SKIPPED or take_part_only:
+        return None
+    if buf[0] != _UID_OK:
         raise DistBackendError(f"{where}: rank 0 of the group could not create the NCCL unique id (see its error)")
     return buf[1:].tobytes()
 

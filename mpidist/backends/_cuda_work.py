@@ -5,7 +5,8 @@ output have been made to wait for it, so work queued on them afterwards sees the
 result) and *completed* (the GPU has run it). As in torch's ProcessGroupNCCL:
 
 * ``wait()`` makes the streams of the call's arrays (the producer's stream, or
-  the current stream) wait for the operation's event and returns at once; the
+  the current stream) wait for the operation's event, and on every call the
+  stream current then (torch's ``WorkNCCL::wait``), and returns at once; the
   host blocks only for a barrier, when ``wait(timeout)`` is given a timeout, or
   with ``TORCH_NCCL_BLOCKING_WAIT=1``, and then at most that long (the group's
   timeout by default): past it the communicator is aborted and a
@@ -80,16 +81,25 @@ class CudaWork(Work):
         return self._done
 
     def _sync_streams(self) -> None:
+        """Make the arrays' streams (once) and the caller's current stream (every call) wait for the event.
+
+        As torch's ``WorkNCCL::wait``: a Work issued on a side stream and waited for on
+        another stream orders that one, and each ``wait()`` orders the stream current then.
+        """
+        if self._event is None:
+            raise RuntimeError(
+                f"Work.wait: {self._op} was made inside a coalescing block that has not ended; "
+                "wait after the block (batch_isend_irecv returns when it has ended)"
+            )
+        owner = self._owner
+        rt = owner.rt
         if not self._synced:
-            if self._event is None:
-                raise RuntimeError(
-                    f"Work.wait: {self._op} was made inside a coalescing block that has not ended; "
-                    "wait after the block (batch_isend_irecv returns when it has ended)"
-                )
-            rt = self._owner.rt
             for s in self._streams:
                 rt.wait_event(s, self._event)
             self._synced = True
+        current = rt.current_stream(owner.device)
+        if current not in self._streams:
+            rt.wait_event(current, self._event)
 
     def _resolve(self) -> None:
         fut = self._future

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -27,7 +30,7 @@ from ..arrays.host import DTYPES
 from ..errors import DistBackendError, DistError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, factor_value, invalid_op_error, resolve
 from ..work import poll
-from ._cuda import CudaRuntime, choose_device, share_unique_id
+from ._cuda import CudaRuntime, agree_devices, choose_device, share_unique_id
 from ._cuda_work import CudaWork
 from .base import BaseBackend
 
@@ -154,7 +157,16 @@ class NCCLBase(BaseBackend):
     ) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout_s, group_name, global_ranks)
         self.rt = rt = runtime
-        self.device = choose_device(rt, comm) if device is None else int(device)
+        self._comm: Any = None
+        where = f"nccl backend of group {group_name or '?'}"
+        failure: BaseException | None = None
+        try:
+            self.device = choose_device(rt, comm) if device is None else int(device)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it together (agree_devices)
+            self.device, failure = -1, exc
+        if failure is not None:  # the peers wait in the exchange of unique id and devices: join it, then raise
+            share_unique_id(rt, comm, timeout_s, where, take_part_only=True)
+            agree_devices(rt, comm, -1, failure, timeout_s, where)
         self.version = rt.nccl_version()
         self.has_avg = self.version[:2] >= _AVG_VERSION
         nccl = rt.nccl
@@ -165,15 +177,24 @@ class NCCLBase(BaseBackend):
         self._scratch: DeviceArray | None = None  # barrier's one element
         self._batch: list[Any] | None = None  # inside coalescing(): works and deferred steps
         self._broken: str | None = None  # why the communicator cannot be used any more
-        where = f"nccl backend of group {group_name or '?'}"
+        # (event, issued at, fn, seq) of every call, in issue order: the watchdog's view (async Works included)
+        self._watch: deque[tuple[Any, float, str, int]] = deque()
+        self._watch_lock = threading.Lock()
+        self._abort_lock = threading.Lock()
+        self._capturing = False  # the call being made is captured into a CUDA graph
+        self._captured: list[Any] = []  # buffers of captured calls: a graph may replay them at any time
         with rt.device(self.device):
             self.stream, self._stream_owner = rt.new_stream(self.device, high_priority)
             self._dep = rt.new_event(self.device)  # re-recorded for every producer stream
             uid = share_unique_id(rt, comm, timeout_s, where)
+            agree_devices(rt, comm, self.device, None, timeout_s, where)  # the timed barrier before NCCL's init
+            assert uid is not None  # None only where rank 0 failed before, which agree_devices raised
             try:
                 self._comm = rt.communicator(self.size, uid, self.rank, comm)
             except Exception as exc:
                 raise DistBackendError(f"{where}: creating the NCCL communicator failed: {exc}") from exc
+            self._scratch = rt.ops.empty((1,), _F32, self.device)  # now: barrier() may run in a graph capture
+        _Watchdog.watch(self)
 
     def describe(self) -> str:
         return f"group {self.group_name or '?'} (nccl on cuda:{self.device}, rank {self.rank} of {self.size})"
@@ -263,6 +284,7 @@ class NCCLBase(BaseBackend):
         if not streams:
             streams.append(self.rt.current_stream(self.device))
         rt, dep = self.rt, self._dep
+        self._capturing = any(rt.capturing(s) for s in streams)
         for s in streams:
             if s != self.stream:
                 rt.record(dep, s)
@@ -271,12 +293,20 @@ class NCCLBase(BaseBackend):
 
     @contextlib.contextmanager
     def _enqueue(self, fn: str, seq: int) -> Iterator[None]:
-        """Wrap errors of the runtime (NcclError, CUDA errors) in DistBackendError."""
+        """Wrap errors of the runtime in DistBackendError and mark the group broken.
+
+        Any failure here (NcclError, a CUDA error, cupy's OutOfMemoryError for a
+        temporary, cupy < 14's KeyError on ncclRemoteError) leaves the group's ranks
+        out of step: the peers may already be inside this call's NCCL kernel. So the
+        communicator is aborted; the peers' watchdog ends their wait within the
+        group's timeout, and every later call raises on every rank.
+        """
         try:
             yield
         except DistError:
             raise
-        except RuntimeError as exc:
+        except Exception as exc:
+            self._abort(f"its NCCL communicator was aborted after {fn} (call #{seq}) failed on this rank: {exc!r}")
             raise self.backend_error(fn, seq, exc) from exc
 
     @contextlib.contextmanager
@@ -296,6 +326,11 @@ class NCCLBase(BaseBackend):
             step()
 
     def _temp(self, like: DeviceArray, count: int, keep: list[Any]) -> DeviceArray:
+        if self._capturing:  # every rank captures alike: every rank raises here, nothing was enqueued yet
+            raise DistBackendError(
+                f"{self.describe()}: this call needs a temporary buffer, which cannot be allocated while a CUDA "
+                "graph is being captured; capture it with in-place or back-to-back arrays, or call it outside"
+            )
         tmp = like.ops.empty((count,), like.dtype, self.device)
         keep.append(tmp)
         return tmp
@@ -344,6 +379,14 @@ class NCCLBase(BaseBackend):
         rt = self.rt
         event = rt.new_event(self.device)
         rt.record(event, self.stream)
+        if self._capturing:  # in a CUDA graph: no event query (it would end the capture); kept for replays
+            self._captured.append(keep)
+            if async_op:
+                return CudaWork(self, fn, seq, event, streams, None, self.timeout_s, source, False)
+            for s in streams:
+                rt.wait_event(s, event)
+            return None
+        self._watched(event, fn, seq)
         if async_op:
             return CudaWork(self, fn, seq, event, streams, keep, self.timeout_s, source, host_wait)
         for s in streams:
@@ -369,11 +412,18 @@ class NCCLBase(BaseBackend):
         def test() -> bool:
             if rt.query(event):
                 return True
+            if self._broken is not None:  # the watchdog aborted the communicator
+                raise _WatchdogAbortError(self._broken)
             rt.check_async_error(comm)
             return False
 
         try:
             finished = poll(test, limit, self.spins, (self.group_name, fn, seq))
+        except _WatchdogAbortError as stop:
+            self.keep_stuck(event, keep)
+            if stop.timed_out:  # the same error as a host wait that timed out itself
+                raise self.timeout_failure(fn, seq, limit) from None
+            raise DistBackendError(f"{fn} (call #{seq}) on {self.describe()}: {stop}") from None
         except DistError:
             raise
         except Exception as exc:
@@ -391,10 +441,57 @@ class NCCLBase(BaseBackend):
         return self.backend_error(fn, seq, exc)
 
     def _abort(self, reason: str) -> None:
-        if self._broken is None:
+        """Mark the group broken and abort the communicator on a thread of its own.
+
+        ``ncclCommAbort`` can block (NCCL >= 2.16 waits for its proxy threads): the
+        caller waits at most half a second for it, then goes on.
+        """
+        with self._abort_lock:  # a second caller (the watchdog, a host wait) returns once the group is broken
+            if self._broken is not None or self._comm is None:
+                return
+            rt, comm, device = self.rt, self._comm, self.device
+
+            def run() -> None:
+                with contextlib.suppress(Exception), rt.device(device):
+                    rt.abort(comm)
+
+            t = threading.Thread(target=run, name="mpidist-nccl-abort", daemon=True)
+            t.start()
+            t.join(0.5)
             self._broken = reason
-            with contextlib.suppress(Exception):
-                self.rt.abort(self._comm)
+
+    def abandon(self) -> None:
+        """The group was shrunk: abort the communicator (off the caller's thread); its calls end."""
+        self._abort("the group was replaced by shrink_group; its NCCL communicator was aborted")
+        _Watchdog.forget(self)
+
+    # -- the watchdog ------------------------------------------------------------------------
+    def _watched(self, event: Any, fn: str, seq: int) -> None:
+        with self._watch_lock:
+            self._watch.append((event, time.monotonic(), fn, seq))
+
+    def watchdog_tick(self, now: float) -> None:
+        """One look of the watchdog: drop finished calls, enforce the timeout, poll NCCL's async error."""
+        if self._broken is not None or self._comm is None:
+            return
+        rt = self.rt
+        with rt.device(self.device), rt.relaxed_capture():  # a graph captured meanwhile stays valid
+            with self._watch_lock:
+                q = self._watch
+                while q and rt.query(q[0][0]):
+                    q.popleft()
+                oldest = q[0] if q else None
+            if oldest is not None and now - oldest[1] > self.timeout_s:
+                _, _, fn, seq = oldest
+                self._abort(
+                    f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out: the watchdog found it "
+                    f"unfinished after the group's timeout of {self.timeout_s:g} s (a peer failed or never made the call)"
+                )
+                return
+            try:
+                rt.check_async_error(self._comm)
+            except Exception as exc:  # noqa: BLE001 - NcclError, or cupy < 14's KeyError on ncclRemoteError
+                self._abort(f"its NCCL communicator was aborted by the watchdog: NCCL reported {exc!r}")
 
     # -- plumbing ------------------------------------------------------------------------
     def adopt(self, reqs: Any, keep: Any) -> None:
@@ -408,7 +505,12 @@ class NCCLBase(BaseBackend):
         q = self._inflight
         while q and self.rt.query(q[0][0]):
             q.popleft()
-        return bool(self._stuck or q)
+        with self._watch_lock:
+            w = self._watch
+            while w and self.rt.query(w[0][0]):
+                w.popleft()
+            watched = bool(w)
+        return bool(self._stuck or q or watched)
 
     def shutdown(self) -> None:
         """Wait (within the timeout) for calls still running, then free the communicator.
@@ -421,8 +523,10 @@ class NCCLBase(BaseBackend):
         rt = self.rt
         with rt.device(self.device):
             inflight = self._inflight
-            if self._broken is None and inflight:
-                if not poll(lambda: all(rt.query(e) for e, _ in inflight), self.timeout_s, self.spins):
+            with self._watch_lock:
+                events = [e for e, _ in inflight] + [e for e, _, _, _ in self._watch]  # async Works too
+            if self._broken is None and events:
+                if not poll(lambda: all(rt.query(e) for e in events), self.timeout_s, self.spins):
                     self._abort("a call was still running when the group was destroyed")
             if self.pending():
                 world.unreleased.append((list(inflight), list(self._stuck)))
@@ -431,6 +535,7 @@ class NCCLBase(BaseBackend):
                     rt.destroy(self._comm)
         self._comm = None
         self._broken = "the group was destroyed"
+        _Watchdog.forget(self)
 
     @contextlib.contextmanager
     def coalescing(self) -> Iterator[None]:
@@ -468,6 +573,54 @@ class NCCLBase(BaseBackend):
                             step()
                     event = rt.new_event(self.device)
                     rt.record(event, self.stream)
+                    self._watched(event, fn, self.p2p_seq)
                     for step in batch:
                         if isinstance(step, CudaWork):
                             step._event = event
+
+
+class _WatchdogAbortError(Exception):
+    """Raised inside a host wait's poll when the watchdog has aborted the communicator meanwhile."""
+
+    @property
+    def timed_out(self) -> bool:
+        return "timed out" in str(self)
+
+
+class _Watchdog:
+    """One daemon thread for every nccl backend of the process (as torch's ProcessGroupNCCL watchdog).
+
+    Every ``INTERVAL`` seconds it looks at each live backend (:meth:`NCCLBase.watchdog_tick`):
+    a call older than the group's timeout, or an asynchronous NCCL error (a peer died,
+    ``ncclRemoteError``), aborts the communicator and marks the group broken, so a host
+    wait ends with a DistBackendError and later calls raise, instead of hanging.
+    """
+
+    INTERVAL = 0.1
+    _backends: weakref.WeakSet[NCCLBase] = weakref.WeakSet()
+    _thread: threading.Thread | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def watch(cls, backend: NCCLBase) -> None:
+        with cls._lock:
+            cls._backends.add(backend)
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._run, name="mpidist-nccl-watchdog", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def forget(cls, backend: NCCLBase) -> None:
+        with cls._lock:
+            cls._backends.discard(backend)
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(cls.INTERVAL)
+            with cls._lock:
+                backends = list(cls._backends)
+            now = time.monotonic()
+            for b in backends:
+                with contextlib.suppress(Exception):  # a runtime gone at interpreter exit
+                    b.watchdog_tick(now)

@@ -228,6 +228,10 @@ class BaseBackend(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources (``destroy_process_group``)."""
 
+    def abandon(self) -> None:  # noqa: B027 - optional hook, nothing to stop by default
+        """The group was given up without its members agreeing (``shrink_group``): stop what runs on
+        the device, without blocking the caller (nccl: abort the communicator). MPI: nothing."""
+
     # -- collectives -----------------------------------------------------------------
     @abstractmethod
     def broadcast(self, buf: np.ndarray, backs: Any, root: int, async_op: bool) -> Work | None: ...
@@ -382,3 +386,6 @@ class WrapperBackend(BaseBackend):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+    def abandon(self) -> None:
+        self.inner.abandon()

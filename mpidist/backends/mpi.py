@@ -372,6 +372,11 @@ class MPIBackend(BaseBackend):
         path = self._shared(fn, nbytes)
         return path is not None and (not reduces or path.reducer(e, op) is not None)
 
+    def shared_memory_from(self) -> int:
+        """The size (bytes) from which calls may take the shared-memory path, which reads and writes memory on
+        the host (the same on every rank; it only grows once the path is set up or found off)."""
+        return self._shm_from
+
     def shared_memory(self) -> SharedPath | None:
         """The group's shared-memory path once set up (None before, or where it is off): for tests and the bench."""
         return self._shm

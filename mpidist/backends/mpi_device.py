@@ -37,8 +37,8 @@ from ..arrays.host import overlapping_pair, refuse_overlapping_outputs
 from ..reduce_op import RedOpType
 from ..work import Work
 from .base import WrapperBackend
-from .mpi import MPIBackend
-from .mpi_types import type_table
+from .mpi import _INT_MAX, MPIBackend
+from .mpi_types import LARGE_COUNTS, type_table
 
 __all__ = ["MPIDeviceBackend", "DeviceStagingWarning"]
 
@@ -50,10 +50,24 @@ class DeviceStagingWarning(UserWarning):
 
 
 def _pointer_view(a: DeviceArray) -> ndarray:
-    """A numpy array over the device pointer: metadata for MPI, never dereferenced on the host."""
-    if a.nbytes == 0:
-        return np.empty(a.shape, a.dtype)
-    return np.frombuffer(MPI.buffer.fromaddress(a.ptr, a.nbytes), a.dtype).reshape(a.shape)
+    """What MPI is given for a device array: a :class:`DevicePointer` (metadata on the host, MPI's alone)."""
+    return a.ops.mpi_buffer(a)
+
+
+def _consecutive(arrays: Sequence[Any]) -> bool:
+    """True if the device arrays are contiguous and lie back to back (MPI reads them as one buffer)."""
+    if not all(type(a) is DeviceArray and a.c_contiguous for a in arrays):
+        return False
+    live = [a for a in arrays if a.nbytes]
+    return all(b.ptr == a.ptr + a.nbytes for a, b in zip(live, live[1:]))
+
+
+def _one_message(arrays: Sequence[Any]) -> bool:
+    """True if ``_vector`` (mpi.py) sends these arrays where they are, without its host staging copy."""
+    spans = [(a.ptr, a.ptr + a.nbytes) for a in arrays if type(a) is DeviceArray and a.nbytes]
+    if not spans or LARGE_COUNTS:
+        return True
+    return max(h for _, h in spans) - min(lo for lo, _ in spans) <= _INT_MAX
 
 
 def _spans(arrays: Sequence[Any]) -> list[tuple[Any, int, int, int]]:
@@ -150,12 +164,20 @@ class MPIDeviceBackend(WrapperBackend):
             self.inner.shutdown()
 
     # -- choosing direct or staged ----------------------------------------------------------
-    def _call(self, fn: str, arrays: list[DeviceArray], op: Any = None) -> _Call:
-        direct = mpi_cuda_aware() and not _overlapping(arrays)
+    def _call(
+        self, fn: str, arrays: list[DeviceArray], op: Any = None, shm_bytes: int = -1, host_side: bool = False
+    ) -> _Call:
+        """Direct (CUDA-aware MPI) or staged. Device pointers go only where the MPI backend hands them to
+        MPI: calls of ``shm_bytes`` the shared-memory path may take (it reads and writes memory on the
+        host), and calls the MPI backend prepares on the host (``host_side``: packing separate inputs,
+        ``_vector``'s staging copy) are staged, as are reductions MPI cannot compute on the dtype."""
+        direct = mpi_cuda_aware() and not _overlapping(arrays) and not host_side
         if direct and op is not None:
             # reductions: direct only if MPI reduces the dtype natively with this op
             e = type_table().get(arrays[0].dtype)
             direct = e is not None and type(op) is RedOpType and isinstance(e.ops[op], MPI.Op)
+        if direct and shm_bytes >= 0 and shm_bytes >= self.inner.shared_memory_from():
+            direct = False  # every rank decides alike: the size and the threshold are the same everywhere
         if not direct and arrays:
             _staging_allowed(fn)
         return _Call(direct)
@@ -167,49 +189,49 @@ class MPIDeviceBackend(WrapperBackend):
 
     # -- collectives ----------------------------------------------------------------------------
     def broadcast(self, buf: Any, backs: Any, root: int, async_op: bool) -> Work | None:
-        c = self._call("broadcast", _devices(buf))
+        c = self._call("broadcast", _devices(buf), shm_bytes=buf.nbytes)
         h = c.inp(buf) if self.rank == root else c.out(buf, False)
         return self._finish(self.inner.broadcast(h, c.merged(backs), root, async_op), c)
 
     def all_reduce(self, buf: Any, backs: Any, op: Any, async_op: bool) -> Work | None:
-        c = self._call("all_reduce", _devices(buf), op)
+        c = self._call("all_reduce", _devices(buf), op, buf.nbytes)
         h = c.out(buf, True)
         return self._finish(self.inner.all_reduce(h, c.merged(backs), op, async_op), c)
 
     def reduce(self, buf: Any, backs: Any, op: Any, root: int, async_op: bool) -> Work | None:
-        c = self._call("reduce", _devices(buf), op)
+        c = self._call("reduce", _devices(buf), op, buf.nbytes)
         h = c.out(buf, True)
         return self._finish(self.inner.reduce(h, c.merged(backs), op, root, async_op), c)
 
     def all_gather(self, outs: Sequence[Any], backs: Any, inp: Any, async_op: bool) -> Work | None:
         _distinct_outputs(outs, "all_gather", "tensor_list")
-        c = self._call("all_gather", _devices(outs, inp))
+        c = self._call("all_gather", _devices(outs, inp), host_side=not _one_message(outs))
         i, o = c.inp(inp), c.outputs(outs)
         return self._finish(self.inner.all_gather(o, c.merged(backs), i, async_op), c)
 
     def all_gather_into_tensor(self, out: Any, backs: Any, inp: Any, async_op: bool) -> Work | None:
-        c = self._call("all_gather_into_tensor", _devices(out, inp))
+        c = self._call("all_gather_into_tensor", _devices(out, inp), shm_bytes=out.nbytes)
         i, o = c.inp(inp), c.out(out, False)
         return self._finish(self.inner.all_gather_into_tensor(o, c.merged(backs), i, async_op), c)
 
     def gather(self, inp: Any, outs: Sequence[Any] | None, backs: Any, root: int, async_op: bool) -> Work | None:
         _distinct_outputs(outs, "gather", "gather_list")
-        c = self._call("gather", _devices(outs, inp))
+        c = self._call("gather", _devices(outs, inp), host_side=not _one_message(outs or ()))
         i, o = c.inp(inp), c.outputs(outs)
         return self._finish(self.inner.gather(i, o, c.merged(backs), root, async_op), c)
 
     def scatter(self, out: Any, backs: Any, ins: Sequence[Any] | None, root: int, async_op: bool) -> Work | None:
-        c = self._call("scatter", _devices(out, ins))
+        c = self._call("scatter", _devices(out, ins), host_side=not _one_message(ins or ()))
         i, o = c.inputs(ins), c.out(out, False)
         return self._finish(self.inner.scatter(o, c.merged(backs), i, root, async_op), c)
 
     def reduce_scatter(self, out: Any, backs: Any, ins: Sequence[Any], op: Any, async_op: bool) -> Work | None:
-        c = self._call("reduce_scatter", _devices(out, ins), op)
+        c = self._call("reduce_scatter", _devices(out, ins), op, host_side=not _consecutive(ins))
         i, o = c.inputs(ins), c.out(out, False)
         return self._finish(self.inner.reduce_scatter(o, c.merged(backs), i, op, async_op), c)
 
     def reduce_scatter_tensor(self, out: Any, backs: Any, inp: Any, op: Any, async_op: bool) -> Work | None:
-        c = self._call("reduce_scatter_tensor", _devices(out, inp), op)
+        c = self._call("reduce_scatter_tensor", _devices(out, inp), op, inp.nbytes)
         i, o = c.inp(inp), c.out(out, False)
         return self._finish(self.inner.reduce_scatter_tensor(o, c.merged(backs), i, op, async_op), c)
 
@@ -222,7 +244,7 @@ class MPIDeviceBackend(WrapperBackend):
 
     def all_to_all(self, outs: Sequence[Any], backs: Any, ins: Sequence[Any], async_op: bool) -> Work | None:
         _distinct_outputs(outs, "all_to_all", "output_tensor_list")
-        c = self._call("all_to_all", _devices(outs, ins))
+        c = self._call("all_to_all", _devices(outs, ins), host_side=not (_one_message(outs) and _one_message(ins)))
         i, o = c.inputs(ins), c.outputs(outs)
         return self._finish(self.inner.all_to_all(o, c.merged(backs), i, async_op), c)
 
@@ -270,7 +292,8 @@ def _staging_allowed(fn: str) -> None:
     if mode != "quiet" and not world.staging_warned:
         world.staging_warned = True
         reason = (
-            "this operation needs host-side arithmetic (or its arrays overlap)"
+            "this operation needs host-side arithmetic or copies (its arrays overlap, or the shared-memory "
+            "path or packing on the host would run it)"
             if mpi_cuda_aware()
             else "the MPI library is not CUDA-aware"
         )

@@ -197,15 +197,19 @@ def nccl_importable() -> bool:
 
 
 def nccl_available() -> bool:
-    """True if cupy's NCCL bindings load and a GPU is visible (checked once per process)."""
+    """True if cupy's NCCL bindings load libnccl and a GPU is visible (checked once per process).
+
+    cupy's ``nccl`` module imports without libnccl and then says ``available = False``:
+    NCCL is not available then, and groups run GPU arrays as documented without it.
+    """
     if world.nccl_ok is None:
         ok = False
         if nccl_importable():
             try:
                 import cupy
-                from cupy.cuda import nccl  # noqa: F401
+                from cupy.cuda import nccl
 
-                ok = cupy.cuda.runtime.getDeviceCount() > 0
+                ok = bool(getattr(nccl, "available", True)) and cupy.cuda.runtime.getDeviceCount() > 0
             except Exception:  # noqa: BLE001 - no driver, no libnccl: not usable
                 ok = False
         world.nccl_ok = ok

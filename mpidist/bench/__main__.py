@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every row to FILE (rank 0)")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png (rank 0; needs matplotlib)")
     p.add_argument(
+        "--gpu-check", action="store_true",
+        help="run mpidist's GPU checks on this machine's GPU (not under mpiexec: it starts its own jobs); "
+        "PASS/FAIL lines, exit status 3 where no GPU is usable",
+    )  # fmt: skip
+    p.add_argument(
         "--tune", action="store_true",
         help="measure from which size the shared-memory path beats MPI's calls (-b/-e: default 16K..64M, x2) "
         "and write the thresholds for this MPI library (see docs/performance.md)",
@@ -419,6 +424,11 @@ def _footer(args: argparse.Namespace, table: Table, rows: list[Row], status: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark (every rank of the job calls this); return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu-check" in args_list:  # one command of its own, not under mpiexec: see gpu_check.py
+        from .gpu_check import main as gpu_check
+
+        return gpu_check([a for a in args_list if a != "--gpu-check"])
     args = parse_args(argv)
     parser = args.parser
     import mpidist as dist

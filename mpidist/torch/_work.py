@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from ..backends._cuda_work import CudaWork
 from ..errors import DistBackendError
 from ._engine import TorchFuture, engine
 
@@ -62,10 +63,14 @@ class TorchWork(dist.Work):
 
     # -- completion -----------------------------------------------------------------------
     def _run_inner(self, timeout_s: float | None) -> None:
-        """Drive every mpidist Work to completion (caller holds the drive lock), then settle."""
+        """Drive every mpidist Work to completion (caller holds the drive lock), then settle.
+
+        A GPU Work's ``wait()`` only orders streams; the Future's value is there once the
+        GPU has run the operation, so the host waits for that (``0``: the group's timeout).
+        """
         try:
             for w in self._inner:
-                w.wait(timeout_s)
+                w.wait(0 if timeout_s is None and isinstance(w, CudaWork) else timeout_s)
         except BaseException as exc:  # noqa: BLE001 - a timeout or MPI error: the Work fails with it
             self._settle(exc)
         else:

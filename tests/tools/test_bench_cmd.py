@@ -384,3 +384,20 @@ def test_tune_writes_the_ranges_it_prints(tmp_path, monkeypatch, capsys, checks)
             low, high = by_ranks[SIZE]
             checks.true(f"{name}: range {low}-{high}", low == shm_tuning.NEVER or 16 << 10 <= low <= 32 << 10)
     checks.done()
+
+
+def test_gpu_check_says_why_it_cannot_run_without_a_gpu():
+    """``--gpu-check`` on a machine without cupy or a GPU: one clear line and exit status 3 (issue 34)."""
+    from mpidist.bench.gpu_check import NO_GPU, why_not_here
+
+    problems: list[str] = []
+    if why_not_here():  # the case of this machine; on a GPU machine the check itself runs (not here)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            out = subprocess.run(
+                [sys.executable, "-m", "mpidist.bench", "--gpu-check"],
+                capture_output=True, text=True, timeout=60, env=clean_env(),
+            )  # fmt: skip
+            if out.returncode != NO_GPU or "gpu-check: cannot run here:" not in out.stdout:
+                problems.append(f"status {out.returncode}, output {out.stdout!r} {out.stderr[-500:]!r}")
+    everyone = MPI.COMM_WORLD.allgather(problems)
+    assert not any(everyone), everyone
