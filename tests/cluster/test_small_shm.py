@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from slurm_support import PYTHON, REPO, clean_env, mpi_library, run
 
 PROGRAM = REPO / "tests" / "cluster" / "progs" / "small_shm.py"

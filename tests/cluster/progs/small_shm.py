@@ -1,6 +1,7 @@
 """Every collective the shared-memory path serves, at 1 MiB, checked: run on a small /dev/shm (test_small_shm.py)."""
 
 import numpy as np
+
 import mpidist as dist
 
 dist.init_process_group()
