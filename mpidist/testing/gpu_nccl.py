@@ -137,21 +137,15 @@ class StandinComm:
         return np.dtype(_NUMPY_OF[datatype])
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:  # noqa: N802
-        dt, gpu = self._dt(datatype), self.gpu
-
-        def start() -> _Pending:
-            send = gpu.raw(sendbuf, count, dt).copy()
-            parts = np.empty((self.ndev, count), dt)
-            req = self.mpi.Iallgather(send.view(np.uint8), parts.view(np.uint8))
-
-            def finish() -> None:
-                gpu.raw(recvbuf, count, dt)[...] = _fold(parts, dt, op, self.ndev)
-
-            return _Pending(self, [req], finish, (send, parts))
-
-        self._issue(stream, start)
+        self._reduction(sendbuf, recvbuf, count, datatype, op, None, stream)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
+        self._reduction(sendbuf, recvbuf, count, datatype, op, root, stream)
+
+    def _reduction(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int | None, stream: int
+    ) -> None:
+        """allReduce (``root`` None: every rank gets the result) and reduce: gather every rank's input, fold."""
         dt, gpu = self._dt(datatype), self.gpu
 
         def start() -> _Pending:
@@ -160,7 +154,7 @@ class StandinComm:
             req = self.mpi.Iallgather(send.view(np.uint8), parts.view(np.uint8))
 
             def finish() -> None:
-                if self.rank == root:
+                if root is None or self.rank == root:
                     gpu.raw(recvbuf, count, dt)[...] = _fold(parts, dt, op, self.ndev)
 
             return _Pending(self, [req], finish, (send, parts))
