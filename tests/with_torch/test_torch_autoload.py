@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,13 +114,26 @@ def _ddp_job(backend: str, tmp_path: Path) -> list[dict]:
     out = tmp_path / f"ddp-{backend}"
     out.mkdir()
     program = [str(PROGRAMS / "ddp_train.py"), backend, str(out)]
-    # gloo under torchrun, as its users run it (under mpiexec, MPI, started by the env:// fill, and torch
-    # 2.14's gloo ended a job now and then with "terminate called without an active exception" at exit)
+    # gloo, the reference, under torchrun, as its users run it
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd = [*launch, *program] if backend == "gloo" else [*mpiexec_command(2), sys.executable, *program]
     proc = subprocess.run(cmd, env=clean_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{backend}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return sorted((json.loads(p.read_text()) for p in out.glob("result-*.json")), key=lambda r: r["rank"])
+    results = sorted((json.loads(p.read_text()) for p in out.glob("result-*.json")), key=lambda r: r["rank"])
+    # torch's gloo sometimes aborts in its C++ teardown after the program has finished (a worker thread not
+    # joined: "terminate called without an active exception"; CI saw it once in ~10 runs on torch 2.14.1, under
+    # torchrun as under mpiexec; pytorch/pytorch#179291). Only the reference may end so, and only after writing
+    # every rank's results: mpi and mpidist must exit 0.
+    torn_down = (
+        backend == "gloo" and len(results) == 2 and "terminate called without an active exception" in proc.stderr
+    )
+    if torn_down:
+        warnings.warn(
+            f"gloo's reference job aborted in torch's teardown (exit {proc.returncode}) after its results", stacklevel=2
+        )
+    assert proc.returncode == 0 or torn_down, (
+        f"{backend}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    return results
 
 
 def test_an_unmodified_ddp_program_on_mpi_and_mpidist_is_bitwise_equal_to_gloo(tmp_path):
