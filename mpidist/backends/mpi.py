@@ -27,7 +27,7 @@ arrays need no packing (see ``_vector``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -54,8 +54,10 @@ from .mpi_types import (
     count_limit_note,
     type_table,
 )  # fmt: skip
-from .shm import SharedPath
 from .shm_tuning import NEVER, SETUP_FLOOR
+
+if TYPE_CHECKING:
+    from .shm import SharedPath
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -355,6 +357,8 @@ class MPIBackend(BaseBackend):
         """
         path = self._shm
         if path is None:
+            from .shm import SharedPath  # imported on first use: init_process_group's cost grows with ranks per core
+
             path = self._shm = SharedPath.setup(self, fn)
             self._shm_from = NEVER if path is None else path.smallest
             if path is None:
