@@ -13,7 +13,8 @@ medians over trials and the median of the paired ratios.
 
 Start-up is timed in jobs of their own, alternating: ``init_process_group()`` from a
 process where MPI has not started, against MPI's own start (``MPI.Init_thread``) plus a
-``Dup`` of the world; both after the imports, each the slowest rank's time; medians over
+``Dup`` of the world; both after the same imports (``import mpidist`` included, so that the
+ranks reach MPI's start as unevenly in both), each the slowest rank's time; medians over
 ``--launches`` launches of each. ``MPIDIST_DEBUG=INFO`` prints where mpidist's start-up
 time went.
 
@@ -117,9 +118,9 @@ def worker_start(kind: str) -> None:
     mpi4py.rc.initialize = False
     from mpi4py import MPI
 
-    if kind == "mpidist":
-        import mpidist as dist
+    import mpidist as dist  # in both jobs: the ranks arrive at MPI's start as unevenly in each
 
+    if kind == "mpidist":
         t0 = time.perf_counter()
         dist.init_process_group()
         dt = time.perf_counter() - t0
@@ -181,6 +182,7 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=3, help="start-up jobs of each kind per rank count")
     ap.add_argument("--hosts", type=int, default=0, help="spread the ranks over this many simulated hosts")
     ap.add_argument("--no-startup", action="store_true", help="time the calls only")
+    ap.add_argument("--no-calls", action="store_true", help="time the start-up only")
     ap.add_argument("--before", help="another checkout of mpidist (its root): its calls in the same trials")
     ap.add_argument("--worker", choices=["calls", "start-mpidist", "start-raw"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -205,7 +207,10 @@ def main() -> None:
         print("|" + "---|" * 7)
         for n in a.ranks:
             extra = ["--before", a.before] if a.before else []
-            calls = run_job(n, a.hosts, ["--worker", "calls", "--trials", str(a.trials), *extra], 600, env)["times"]
+            calls = None
+            if not a.no_calls:
+                calls = run_job(n, a.hosts, ["--worker", "calls", "--trials", str(a.trials), *extra], 600, env)
+                calls = calls["times"]
             start = "-"
             rstart = "-"
             if not a.no_startup:
@@ -215,6 +220,9 @@ def main() -> None:
                         got[kind].append(run_job(n, a.hosts, ["--worker", f"start-{kind}"], 300, env)["seconds"])
                 md, mr = statistics.median(got["mpidist"]), statistics.median(got["raw"])
                 start, rstart = f"{md:.2f} / {mr:.2f}", f"{md / mr:.2f}x"
+            if calls is None:
+                print(f"| {n} | - | - | - | - | {start} | {rstart} |", flush=True)
+                continue
             ar, br = calls["all_reduce mpidist"], calls["all_reduce raw"]
             bm, bw = calls["barrier mpidist"], calls["barrier raw"]
             print(f"| {n} | {us(ar)} / {us(br)} | {ratio(ar, br):.2f}x | {us(bm)} / {us(bw)} | {ratio(bm, bw):.2f}x "
