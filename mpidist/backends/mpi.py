@@ -41,7 +41,6 @@ from ..work import Work, poll
 from . import ulfm
 from .base import BaseBackend, PersistentPlan
 from .direct import calls_kind, make_calls
-from .mpi_persistent import MPIPersistent
 from .mpi_receive import Receive, posted_receive, reports_self_truncation
 from .mpi_reductions import reduction_plan
 from .mpi_types import (
@@ -57,6 +56,7 @@ from .mpi_types import (
 from .shm_tuning import NEVER, SETUP_FLOOR
 
 if TYPE_CHECKING:
+    from .mpi_persistent import MPIPersistent
     from .shm import SharedPath
 
 __all__ = ["MPIBackend", "type_table"]
@@ -173,11 +173,21 @@ class MPIBackend(BaseBackend):
         self._types = type_table(self.size == 1)
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
         self._epoch = 0  # monitored_barrier calls on this communicator
-        self._persistent = MPIPersistent(self, comm, self._types, self.agree)
+        self._persistent_ops: MPIPersistent | None = None  # made (and its module imported) on first use
         # the shared-memory path (shm.py): set up by the first call of SETUP_FLOOR bytes, then calls from
         # _shm_from bytes look at it; NEVER where it is off (one rank, or the ranks agreed so)
         self._shm: SharedPath | None = None
         self._shm_from = SETUP_FLOOR if self.size > 1 else NEVER
+
+    @property
+    def _persistent(self) -> MPIPersistent:
+        """The persistent operations' collaborator, made on first use (init_process_group does not import it)."""
+        ops = self._persistent_ops
+        if ops is None:
+            from .mpi_persistent import MPIPersistent
+
+            ops = self._persistent_ops = MPIPersistent(self, self.comm, self._types, self.agree)
+        return ops
 
     def mpi_calls(self) -> str:
         """``"direct"`` if the hot collectives call MPI from C (``direct.py``), else ``"mpi4py"``."""

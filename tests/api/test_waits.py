@@ -79,7 +79,6 @@ def test_the_slow_wait_ends_at_its_timeout_and_beats(monkeypatch, oversubscribed
     if oversubscribed:  # a few yields, then a nap between tests: the CPU goes to the other ranks
         assert len(naps) >= 3 and set(naps) == {work.NAP_S}
         assert never.tests == work.YIELDS_OVERSUBSCRIBED + len(naps)
-        assert never.tests < 0.3 / 20e-6, f"{never.tests} tests in 0.3 s: the wait did not nap"
     else:  # a core per rank: never a nap (MPI advances a large message only while it is tested)
         assert not naps
 
