@@ -3,10 +3,14 @@
 For each collective the shared-memory path serves (``shm.py``), each dtype and op
 (a reduction's :class:`~mpidist.backends.shm.Reducer`) and each size class (the powers
 of two from ``shm_tuning.SETUP_FLOOR`` up: 16-32 KiB, 32-64 KiB, ...), a group's first
-calls alternate between MPI's own call and the shared-memory path, which give the same
-results. Each rank times them (issue to completion; an ``async_op`` call until a test
-sees it complete), :data:`WARM` of each untimed, then :data:`SAMPLES` of each. The next
-call of that class agrees with the group's other ranks on one small ``Iallreduce`` (MAX)
+:data:`ROUND` calls alternate in blocks between the shared-memory path and MPI's own
+call, which give the same results: :data:`WARM` + 1 calls on one, then as many on the
+other, :data:`SAMPLES` blocks of each. Each rank times the last call of each block (issue
+to completion; an ``async_op`` call until a test sees it complete): the first calls of a
+block take the switch, where another rank may still be finishing the previous call on
+the other path (the source of a broadcast is done long before the others), so that
+the timed call is one of a run of calls on the same path. The next call of that class
+agrees with the group's other ranks on one small ``Iallreduce`` (MAX)
 of each rank's medians, within the group's timeout, and takes the path every rank then
 computes: shared memory only where the slowest rank's median for it is at most
 :data:`MARGIN` times MPI's (:data:`PRIOR_MARGIN` where the ``--tune`` table says shared
@@ -29,7 +33,7 @@ Example (``mpiexec -n 2``, ``MPIDIST_DEBUG=INFO``)::
     >>> x = np.ones(1 << 20, np.float32)
     >>> for _ in range(10):
     ...     dist.all_reduce(x)
-    all_reduce float32 sum, 4-8 MiB, group default: shared memory (slowest rank's median of 3 calls: ...)
+    all_reduce float32 sum, 4-8 MiB, group default: shared memory (slowest rank's median of 3 timed calls each: ...)
 """
 
 from __future__ import annotations
@@ -44,17 +48,19 @@ from mpi4py import MPI
 from ..work import poll
 from .shm_tuning import NEVER, Range
 
-__all__ = ["Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "WARM", "SAMPLES", "MARGIN", "PRIOR_MARGIN"]
+__all__ = ["Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "WARM", "SAMPLES", "ROUND", "MARGIN", "PRIOR_MARGIN"]
 
 _log = logging.getLogger("mpidist")
 _perf = time.perf_counter
 
 #: what a call takes: MPI's own call, the shared-memory path, or a measured call of either (see Chooser.next)
 MPI_CALL, SHARED, TRIAL = 0, 1, 2
-#: calls of each path run untimed first (the first use of a size touches new memory on both paths)
+#: calls of each block run untimed (the switch from the other path, and the first use of new memory)
 WARM = 1
-#: timed calls of each path, interleaved, before the ranks agree
+#: blocks of each path, interleaved, each with one timed call, before the ranks agree
 SAMPLES = 3
+#: the measured calls of a class: blocks of WARM + 1 calls, SAMPLES on each path
+ROUND = 2 * SAMPLES * (WARM + 1)
 #: shared memory is chosen where the slowest rank's median for it is at most this times MPI's: it must win
 #: clearly, since MPI's call is the one that is never worse than MPI
 MARGIN = 0.9
@@ -108,7 +114,7 @@ class Route:
 
     def describe(self) -> str:
         if self.way == TRIAL:
-            return f"measuring ({self.calls} of {2 * (WARM + SAMPLES)} calls)"
+            return f"measuring ({self.calls} of {ROUND} calls)"
         return "shared memory" if self.way == SHARED else "MPI"
 
 
@@ -144,7 +150,7 @@ class Chooser:
         self.prior = prior
         #: while a measured call runs again as the path it measures: True (shared memory) or False (MPI)
         self.trying: bool | None = None
-        self.pending: tuple[Route, bool] | None = None  # the measured call being issued, and its path
+        self.pending: tuple[Route, bool, bool] | None = None  # the measured call: its route, path, whether timed
         self.routes: list[Route] = []  # every route made, for shared_memory_choices()
 
     def _route(self, table: list[Route | None], fn: str, label: str, bits: int) -> Route:
@@ -166,9 +172,9 @@ class Chooser:
             if r.left > 0:
                 return r.way
             r.way, r.calls, r.times = TRIAL, 0, ([], [])  # measure again
-        if r.calls < 2 * (WARM + SAMPLES):
-            shared = not r.calls & 1  # shared memory first, then MPI, ...
-            self.pending = (r, shared)
+        if r.calls < ROUND:
+            block, at = divmod(r.calls, WARM + 1)
+            self.pending = (r, not block & 1, at == WARM)  # shared memory first, then MPI, ...; the last one timed
             r.calls += 1
             return TRIAL
         self._decide(r)
@@ -180,8 +186,7 @@ class Chooser:
         A blocking call waits here (within the group's timeout, as any call); an ``async_op`` one
         returns its Work, whose first successful test records the time.
         """
-        r, shared = self.pending  # type: ignore[misc]
-        timed = r.calls > 2 * WARM
+        r, shared, timed = self.pending  # type: ignore[misc]
         self.trying = shared
         start = _perf()
         try:
@@ -225,7 +230,7 @@ class Chooser:
             here_mpi, here_shm = r.medians()
             mine_way = "shared memory" if 0 < here_shm <= margin * here_mpi else "MPI"
             _log.info(
-                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of %d calls each: MPI %s, shared "
+                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of %d timed calls each: MPI %s, shared "
                 "memory %s; here: MPI %s, shared memory %s, alone it would take %s; shared memory needs at most "
                 "%.2fx MPI's time%s); measured again after %d calls",
                 f"{fn} {r.label}".strip(), r.sizes(), b.group_name or "default", b.rank, r.describe(),

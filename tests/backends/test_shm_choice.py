@@ -27,7 +27,7 @@ from helpers import Checks, fail_together, meet_outside_mpidist, timeout_head
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
 #: the calls of one class before the choice: every measured call, then the one that agrees
-MEASURED = 2 * (shm_choice.WARM + shm_choice.SAMPLES)
+MEASURED = shm_choice.ROUND
 #: elements of float32 in the arrays: 64 KiB, in one size class, cheap on either path
 N = (64 << 10) // 4
 
