@@ -176,3 +176,40 @@ def test_a_rank_stopped_during_measuring_gives_the_timeout(calls_first):
     dist.barrier()
     dist.destroy_process_group(g)
     fail_together(problems)
+
+
+class _Alone:
+    """What a Chooser reads of its backend, on MPI_COMM_SELF: the agreement is this process's own numbers."""
+
+    comm, timeout_s, spins, group_name, rank, seq = MPI.COMM_SELF, 5.0, 16, "alone", 0, 1
+
+
+def _choose(prior: dict, mpi_s: float, shm_s: float, nbytes: int = 64 << 10) -> tuple[int, shm_choice.Route]:
+    """Step a Chooser through one round of measured calls with these timings; return what the next call takes."""
+    ch = shm_choice.Chooser(_Alone(), prior)
+    table = [None] * shm_choice.CLASSES
+    for _ in range(shm_choice.ROUND):
+        assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.TRIAL
+        route, shared, timed = ch.pending
+        if timed:
+            route.add(shared, shm_s if shared else mpi_s)
+    return ch.next(table, "all_reduce", "float32 sum", nbytes), route
+
+
+@pytest.mark.one_rank
+def test_the_margin_the_prior_and_the_checks_again():
+    """Shared memory only where it wins by the margin (by any amount where the --tune prior says it wins); the
+    choice holds RECHECK_FIRST calls, then the class is measured again; other classes are their own."""
+    never = shm_tuning.NEVER
+    assert _choose({}, 1.0, 0.85)[0] == shm_choice.SHARED
+    assert _choose({}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # not clearly faster: MPI's call
+    assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 0.95)[0] == shm_choice.SHARED  # the prior
+    assert _choose({"all_reduce": (1 << 20, never)}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # a prior elsewhere
+    assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 1.05)[0] == shm_choice.MPI_CALL  # not the last word
+    way, route = _choose({}, 1.0, 0.5)
+    ch = shm_choice.Chooser(_Alone(), {})
+    table = [None] * shm_choice.CLASSES
+    table[route.bits] = route
+    takes = [ch.next(table, "all_reduce", "float32 sum", 100 << 10) for _ in range(shm_choice.RECHECK_FIRST)]
+    assert takes[:-1] == [shm_choice.SHARED] * (shm_choice.RECHECK_FIRST - 1) and takes[-1] == shm_choice.TRIAL
+    assert ch.next(table, "all_reduce", "float32 sum", 200 << 10) == shm_choice.TRIAL  # another class
