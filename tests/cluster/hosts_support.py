@@ -210,15 +210,20 @@ def probes(*texts: str) -> list[dict]:
     processes' lines may run together ("PROBE {...}PROBE {...}"), so each object is
     decoded from where it starts, not by line.
     """
+    return records("PROBE", *texts)
+
+
+def records(tag: str, *texts: str) -> list[dict]:
+    """Every ``TAG {json}`` in ``texts`` (as :func:`probes`), sorted by ``rank`` (or ``old``) and ``pid``."""
     decoder = json.JSONDecoder()
     found = []
     for text in texts:
-        for m in re.finditer(r"PROBE (?=\{)", text):
+        for m in re.finditer(rf"{re.escape(tag)} (?=\{{)", text):
             try:
                 found.append(decoder.raw_decode(text, m.end())[0])
             except json.JSONDecodeError:
                 continue  # cut off (the process died while printing): not a result
-    return sorted(found, key=lambda p: (p.get("rank", -1), p.get("pid", 0)))
+    return sorted(found, key=lambda p: (p.get("rank", p.get("old", -1)), p.get("pid", 0)))
 
 
 def ready(text: str) -> dict[int, dict]:
@@ -296,3 +301,21 @@ def kill_leftovers() -> list[Leftover]:
         except (ProcessLookupError, PermissionError):
             pass
     return left
+
+
+#: shared-memory segments of MPI jobs (MPICH, Open MPI) and of mpidist (dev.py's SHM_OURS)
+SHM_SEGMENT = re.compile(r"^(mpich_shm_|sm_segment\.|vader_segment\.|mpidist|psm2|ompi\.|pmix)")
+
+
+def host_shm(host: str) -> list[str]:
+    """The job segments in ``host``'s own /dev/shm (each host has a private one)."""
+    r = hosts("exec", host, "ls", "-A", "/dev/shm", seconds=20)
+    return [name for name in r.stdout.split() if SHM_SEGMENT.match(name)]
+
+
+def remove_host_shm(host: str) -> list[str]:
+    """Remove the job segments from ``host``'s /dev/shm (once no job runs there); return their names."""
+    names = host_shm(host)
+    if names:
+        hosts("exec", host, "rm", "-f", *[f"/dev/shm/{name}" for name in names], seconds=20)
+    return names

@@ -7,6 +7,8 @@
 #   hosts.sh down            remove every host (holders, namespaces, links, state)
 #   hosts.sh counters        one line per host: "HOST RX_BYTES TX_BYTES" of its eth0
 #   hosts.sh cut HOST        take HOST's link down (its bridge-side veth); `heal HOST` brings it back
+#   hosts.sh kill HOST       HOST dies: its link goes down (its peers hear nothing more from it), then every
+#                            process inside it but its holder is killed (SIGKILL); `heal HOST` brings the link back
 #   hosts.sh addr HOST       print HOST's address
 #   hosts.sh list            print the hosts that are up, one per line
 #
@@ -245,6 +247,24 @@ cmd_counters() {
 
 cmd_cut() { check_host_name "$1"; $T ip link set "$(veth_of "$1")" down; }
 cmd_heal() { check_host_name "$1"; $T ip link set "$(veth_of "$1")" up; }
+cmd_kill() {  # host $1 dies: its link first (no FIN or RST reaches its peers), then its processes
+    check_host_name "$1"
+    local holder ns p left tries=0
+    holder=$(holder_pid "$1") || die "host $1 is not up (hosts.sh up)"
+    ns=$(ns_of "$1")
+    $T ip link set "$(veth_of "$1")" down || die "ip link set $(veth_of "$1") down failed"
+    # a process may fork while the others die (a launcher's proxy): kill until none is left
+    while :; do
+        left=0
+        for p in $($T ip netns pids "$ns" 2>/dev/null); do
+            [[ $p == "$holder" ]] && continue
+            kill -9 "$p" 2>/dev/null && left=1
+        done
+        ((left)) || return 0
+        ((++tries < 50)) || die "processes inside $1 survive SIGKILL: $($T ip netns pids "$ns" | tr '\n' ' ')"
+        sleep 0.1
+    done
+}
 cmd_addr() { check_host_name "$1"; echo "$NET.$(num_of "$1")"; }
 
 case ${1:-} in
@@ -254,7 +274,8 @@ case ${1:-} in
     counters) cmd_counters ;;
     cut) cmd_cut "${2:?host}" ;;
     heal) cmd_heal "${2:?host}" ;;
+    kill) cmd_kill "${2:?host}" ;;
     addr) cmd_addr "${2:?host}" ;;
     list) hosts_up ;;
-    *) sed -n '2,12s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,14s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac
