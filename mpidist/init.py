@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import time
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -20,7 +21,7 @@ from ._auth import new_secret
 from ._validate import env_flag, int_arg, timeout_arg
 from ._world import InitInfo, world
 from .backends.registry import Backend, nccl_available, nccl_importable, parse_backend, requested_name
-from .diagnose.debug import set_debug_level_from_env
+from .diagnose.debug import DebugLevel, logger, set_debug_level_from_env
 from .errors import DefaultGroupStateError, DistBackendError
 from .groups import make_group
 from .launch.abort import abort_after_timeout
@@ -36,7 +37,7 @@ from .launch.boot import (
 from .launch.from_mpi import root_address
 from .launch.rendezvous import launch_free_world, plan_from
 from .process_group import ProcessGroup, not_initialized, resolve_group
-from .work import poll
+from .work import oversubscribed, poll
 
 __all__ = [
     "init_process_group",
@@ -121,12 +122,36 @@ def _disagreements(claims: list[tuple[str, str, int]], mpi_rank: int, mpi_size: 
     return msg
 
 
+class _Phases:
+    """Where ``init_process_group``'s time goes: (phase, seconds) in order, printed at ``MPIDIST_DEBUG=INFO``."""
+
+    __slots__ = ("start", "last", "parts")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.parts: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark was spent in ``phase``."""
+        now = time.perf_counter()
+        self.parts.append((phase, now - self.last))
+        self.last = now
+
+    def report(self, rank: int, size: int) -> str:
+        """``"init_process_group: rank 0 of 4 in 0.31 s: MPI start 0.120 s, ..."``."""
+        spent = ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in self.parts)
+        return f"init_process_group: rank {rank} of {size} in {self.last - self.start:.3f} s: {spent}"
+
+
 def _agree(comm: Any, local_error: str, fn: str) -> None:
     """Raise the same ValueError on every rank if any rank found a problem."""
+    from mpi4py import MPI
+
+    if not comm.allreduce(bool(local_error), op=MPI.LOR):  # O(log n); the texts travel only when one failed
+        return
     errors = comm.allgather(local_error)
     bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if bad:
-        raise ValueError(f"{fn}: " + " | ".join(bad))
+    raise ValueError(f"{fn}: " + " | ".join(bad))
 
 
 def init_process_group(
@@ -183,6 +208,7 @@ def init_process_group(
         (1, 2)  # rank 1
     """
     fn = "init_process_group"
+    phases = _Phases()
     with world.lock:
         if world.default_pg is not None:
             raise DefaultGroupStateError(
@@ -208,15 +234,20 @@ def init_process_group(
         set_debug_level_from_env()
 
         require_startable(fn)
+        phases.mark("checks")
         met = None  # the store through which processes without a launcher met
         if plan.world_size > 1 and not mpi_initialized() and launch_mode() != "launcher":
             met, pmi_env = launch_free_world(plan, store, td, fn)
+            phases.mark("meeting without a launcher")
             start_mpi(pmi_env)
         else:
             start_mpi()
         from mpi4py import MPI  # initialized now
 
+        phases.mark("MPI start")
         from .backends.mpi import MPIBackend
+
+        phases.mark("imports")
 
         # nonblocking, so that a rank that never calls init_process_group cannot hang the others
         control, joined = MPI.COMM_WORLD.Idup()
@@ -225,6 +256,7 @@ def init_process_group(
                 f"{fn}: not every rank called init_process_group within the timeout of {td}; "
                 "start every rank with the same program and check for ranks that failed earlier"
             )
+        phases.mark("Idup")
         try:
             mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
             problem = _disagreements(claims, mpi_rank, mpi_size)
@@ -234,8 +266,11 @@ def init_process_group(
                 # named by the launcher's numbers (MPI calls every one of them rank 0)
                 raise ValueError(f"{fn}: {launcher_label()}{problem}")
             _agree(control, problem, fn)
+            phases.mark("agreement on rank and size")
             node = control.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_rank)
+            phases.mark("node split")
             data = MPI.COMM_WORLD.Dup()
+            phases.mark("Dup")
         except BaseException:
             control.Free()
             raise
@@ -247,23 +282,28 @@ def init_process_group(
             init_method=init_method or "env://",
             mpi_library=MPI.Get_library_version().splitlines()[0].strip(),
             tag_ub=int(control.Get_attr(MPI.TAG_UB)),
-            oversubscribed=node.Get_size() > _usable_cpus(),
+            oversubscribed=oversubscribed(node.Get_size()),
             on_timeout=abort_after_timeout if env_flag("MPIDIST_ABORT_ON_TIMEOUT") else None,
         )
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
+        phases.mark("control backend")
         try:
             world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
             world.init_info.own_store = store is None
+            phases.mark("default store")
             pg = make_group(
                 data, list(range(mpi_size)), devices, td, pg_options, world.next_group_name(), "default_pg",
                 requested_name(backend),
             )  # fmt: skip
+            phases.mark("default group")
         except BaseException:
             _close_store()
             _free_world_comms()
             world.reset()
             raise
         world.default_pg = pg
+        if world.debug_level >= DebugLevel.INFO:
+            logger.info(phases.report(mpi_rank, mpi_size))
 
 
 def replace_world(data: Any, pg_options: Any, group_desc: str) -> ProcessGroup:
@@ -300,7 +340,7 @@ def replace_world(data: Any, pg_options: Any, group_desc: str) -> ProcessGroup:
         world.init_info,
         node_rank=node.Get_rank(),
         node_size=node.Get_size(),
-        oversubscribed=node.Get_size() > _usable_cpus(),
+        oversubscribed=oversubscribed(node.Get_size()),
         store_error="",
     )
     world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(size)))
@@ -347,7 +387,9 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
                     "reach; set MASTER_ADDR to an address of rank 0's host"
                 )
             secret = new_secret()
-            made = TCPStore(host, 0, comm.Get_size(), True, timeout, wait_for_workers=False, secret=secret)
+            made = TCPStore(
+                host, 0, comm.Get_size(), True, timeout, wait_for_workers=False, secret=secret, _connect_later=True
+            )
             found = ("", (host, made.port), secret)
         except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank
             found = (f"{type(exc).__name__}: {exc}", None, b"")
@@ -355,11 +397,15 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     if error:
         world.init_info.store_error = error
         return None
-    return (
-        made
-        if made is not None
-        else TCPStore(address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False, secret=secret)
-    )
+    if made is not None:
+        return made
+    # the clients (rank 0's too) connect with their first request: init_process_group does not wait for
+    # rank 0's server to shake hands with every rank in turn (many programs never use the store; the
+    # stall diagnosis of a timeout does)
+    return TCPStore(
+        address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False, secret=secret,
+        _connect_later=True,
+    )  # fmt: skip
 
 
 def get_default_store() -> Any:
@@ -392,14 +438,6 @@ def get_default_store() -> Any:
     if world.store is None:
         raise RuntimeError(f"{fn}: rank 0 could not open a store: {world.init_info.store_error or 'unknown'}")
     return world.store
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask), for the oversubscription check."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def _close_store() -> None:

@@ -16,8 +16,10 @@ in modules by responsibility:
 * ``mpi_receive.py``: the receive path (posted and matched receives, size checks);
 * ``mpi_persistent.py``: persistent operations, made by a collaborator the backend holds;
 * ``direct.py``: the hot collectives' one MPI call each (C where built);
-* ``shm.py``: large collectives among ranks of one node through shared memory, from the
-  sizes ``shm_tuning.py`` gives (below them, and across nodes, MPI's own call runs).
+* ``shm.py``: large collectives among ranks of one node through shared memory, where the
+  group's ranks measured it faster than MPI's own call (``shm_choice.py``) or
+  ``MPIDIST_SHM_THRESHOLDS`` says so (``shm_tuning.py``); below 16 KiB, and across nodes,
+  MPI's own call runs.
 
 List collectives (all_gather into a list, gather, scatter, all_to_all) address
 the caller's arrays directly: the vector variants of the MPI calls get byte
@@ -27,7 +29,7 @@ arrays need no packing (see ``_vector``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -41,7 +43,6 @@ from ..work import Work, poll
 from . import ulfm
 from .base import BaseBackend, PersistentPlan
 from .direct import calls_kind, make_calls
-from .mpi_persistent import MPIPersistent
 from .mpi_receive import Receive, finish_blocking_receive, posted_receive, reports_self_truncation
 from .mpi_reductions import reduction_plan
 from .mpi_types import (
@@ -54,8 +55,12 @@ from .mpi_types import (
     count_limit_note,
     type_table,
 )  # fmt: skip
-from .shm import SharedPath
+from .shm_choice import CLASSES, SHARED, TRIAL, Chooser
 from .shm_tuning import NEVER, SETUP_FLOOR
+
+if TYPE_CHECKING:
+    from .mpi_persistent import MPIPersistent
+    from .shm import SharedPath
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -171,11 +176,23 @@ class MPIBackend(BaseBackend):
         self._types = type_table(self.size == 1)
         self._orphans: list[tuple[list[MPI.Request], Any]] = []
         self._epoch = 0  # monitored_barrier calls on this communicator
-        self._persistent = MPIPersistent(self, comm, self._types, self.agree)
+        self._persistent_ops: MPIPersistent | None = None  # made (and its module imported) on first use
         # the shared-memory path (shm.py): set up by the first call of SETUP_FLOOR bytes, then calls from
-        # _shm_from bytes look at it; NEVER where it is off (one rank, or the ranks agreed so)
+        # _shm_from bytes look at it; NEVER where it is off (one rank, or the ranks agreed so). The choice
+        # between it and MPI's call, per collective, dtype and op, and size class: shm_choice.py
         self._shm: SharedPath | None = None
         self._shm_from = SETUP_FLOOR if self.size > 1 else NEVER
+        self._choice: Chooser | None = None
+
+    @property
+    def _persistent(self) -> MPIPersistent:
+        """The persistent operations' collaborator, made on first use (init_process_group does not import it)."""
+        ops = self._persistent_ops
+        if ops is None:
+            from .mpi_persistent import MPIPersistent
+
+            ops = self._persistent_ops = MPIPersistent(self, self.comm, self._types, self.agree)
+        return ops
 
     def mpi_calls(self) -> str:
         """``"direct"`` if the hot collectives call MPI from C (``direct.py``), else ``"mpi4py"``."""
@@ -348,29 +365,57 @@ class MPIBackend(BaseBackend):
         )
 
     # -- shared memory --------------------------------------------------------------------
-    def _shared(self, fn: str, nbytes: int) -> SharedPath | None:
-        """The shared-memory path if a call of ``fn`` on ``nbytes`` takes it (set up on first use), else None.
-
-        Every rank answers alike: the sizes are the same on every rank and the thresholds were agreed.
-        """
+    def _path(self, fn: str) -> SharedPath | None:
+        """The group's shared-memory path, set up by the first call that may take it; None where it is off."""
         path = self._shm
-        if path is None:
+        if path is None and self._shm_from < NEVER:
+            from .shm import SharedPath  # imported on first use: init_process_group's cost grows with ranks per core
+
             path = self._shm = SharedPath.setup(self, fn)
             self._shm_from = NEVER if path is None else path.smallest
-            if path is None:
-                return None
-        return path if path.takes(fn, nbytes) else None
+            if path is not None:
+                self._choice = Chooser(self, path.prior)
+        return path
+
+    def _way(self, fn: str, nbytes: int, routes: dict[str, list[Any]], label: str) -> int:
+        """What this call takes: MPI's call (0), shared memory (1, ``SHARED``) or a measured call (``TRIAL``).
+
+        Every rank answers alike: the sizes, dtypes and ops of the group's calls are the same on every
+        rank, and so are the fixed ranges (agreed at set-up) and the measured choices (shm_choice.py).
+        """
+        choice = self._choice
+        if choice.trying is not None:  # the measured call, issued again as the path it measures
+            return choice.trying
+        path = self._shm
+        if fn in path.fixed:
+            return SHARED if path.takes(fn, nbytes) else 0
+        table = routes.get(fn)
+        if table is None:
+            table = routes[fn] = [None] * CLASSES
+        return choice.next(table, fn, label, nbytes)
 
     def _shm_runs(self, fn: str, nbytes: int, dtype: np.dtype, op: Any = None, reduces: bool = False) -> bool:
-        """Whether one-off calls of ``fn`` on ``nbytes`` go through shared memory: a persistent operation of
-        that size then runs them (``BaseBackend``'s plan), so that it takes the same path."""
+        """Whether one-off calls of ``fn`` on ``nbytes`` may go through shared memory: a persistent operation of
+        that size then runs them (``BaseBackend``'s plan), so that it takes the path each call chooses.
+        Counts no call (every rank asks at the same call of the group, so every rank answers alike)."""
         if nbytes < self._shm_from:
             return False
         e = self._types.get(dtype)
         if e is None:
             return False  # the persistent path raises the TypeError
-        path = self._shared(fn, nbytes)
-        return path is not None and (not reduces or path.reducer(e, op) is not None)
+        path = self._path(fn)
+        if path is None:
+            return False
+        if fn in path.fixed:
+            return path.takes(fn, nbytes)
+        if reduces:
+            r = path.reducer(e, op)
+            if r is None:
+                return False
+            table = r.routes.get(fn)
+        else:
+            table = path.routes.get(fn)
+        return table is None or self._choice.may_share(table, nbytes)
 
     def shared_memory_from(self) -> int:
         """The size (bytes) from which calls may take the shared-memory path, which reads and writes memory on
@@ -380,6 +425,10 @@ class MPIBackend(BaseBackend):
     def shared_memory(self) -> SharedPath | None:
         """The group's shared-memory path once set up (None before, or where it is off): for tests and the bench."""
         return self._shm
+
+    def shared_memory_choices(self) -> list[tuple[str, str, str, str]]:
+        """(collective, dtype and op, sizes, what the calls take) per size class measured so far (shm_choice.py)."""
+        return [] if self._choice is None else self._choice.choices()
 
     # -- reductions -----------------------------------------------------------------------
     def _reduction(
@@ -418,11 +467,16 @@ class MPIBackend(BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "all_reduce")
         if buf.nbytes >= self._shm_from:
-            path = self._shared("all_reduce", buf.nbytes)
+            path = self._shm or self._path("all_reduce")
             r = None if path is None else path.reducer(e, op)
             if r is not None:
-                post = then_write_back(None, backs) if backs else None
-                return self._done("all_reduce", path.all_reduce(buf, r), post, buf, async_op)
+                way = self._way("all_reduce", buf.nbytes, r.routes, r.label)
+                if way == TRIAL:
+                    self.seq -= 1  # counted again when the call runs as the path measured
+                    return self._choice.measure(lambda a: self.all_reduce(buf, backs, op, a), async_op)
+                if way:
+                    post = then_write_back(None, backs) if backs else None
+                    return self._done("all_reduce", path.all_reduce(buf, r), post, buf, async_op)
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -440,11 +494,16 @@ class MPIBackend(BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "reduce")
         if buf.nbytes >= self._shm_from:
-            path = self._shared("reduce", buf.nbytes)
+            path = self._shm or self._path("reduce")
             r = None if path is None else path.reducer(e, op)
             if r is not None:
-                post = then_write_back(None, backs) if backs and self.rank == root else None
-                return self._done("reduce", path.reduce(buf, r, root), post, buf, async_op)
+                way = self._way("reduce", buf.nbytes, r.routes, r.label)
+                if way == TRIAL:
+                    self.seq -= 1
+                    return self._choice.measure(lambda a: self.reduce(buf, backs, op, root, a), async_op)
+                if way:
+                    post = then_write_back(None, backs) if backs and self.rank == root else None
+                    return self._done("reduce", path.reduce(buf, r, root), post, buf, async_op)
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -465,13 +524,19 @@ class MPIBackend(BaseBackend):
         if _arrays.may_overlap(out, inp):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         if inp.nbytes >= self._shm_from:
-            path = self._shared("reduce_scatter_tensor", inp.nbytes)
+            path = self._shm or self._path("reduce_scatter_tensor")
             r = None if path is None else path.reducer(e, op)
             if r is not None:
-                post = then_write_back(None, backs) if backs else None
-                return self._done(
-                    "reduce_scatter_tensor", path.reduce_scatter(out, inp, r), post, (inp, out), async_op
-                )
+                way = self._way("reduce_scatter_tensor", inp.nbytes, r.routes, r.label)
+                if way == TRIAL:
+                    self.seq -= 1
+                    again = lambda a: self.reduce_scatter_tensor(out, backs, inp, op, a)  # noqa: E731
+                    return self._choice.measure(again, async_op)
+                if way:
+                    post = then_write_back(None, backs) if backs else None
+                    return self._done(
+                        "reduce_scatter_tensor", path.reduce_scatter(out, inp, r), post, (inp, out), async_op
+                    )
         mop = e.fast[op] if type(op) is RedOpType else None
         if mop is None or backs is not None:
             comm = self.comm
@@ -515,8 +580,12 @@ class MPIBackend(BaseBackend):
         self.seq += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "broadcast")
         if buf.nbytes >= self._shm_from:
-            path = self._shared("broadcast", buf.nbytes)
-            if path is not None:
+            path = self._shm or self._path("broadcast")
+            way = 0 if path is None else self._way("broadcast", buf.nbytes, path.routes, "")
+            if way == TRIAL:
+                self.seq -= 1
+                return self._choice.measure(lambda a: self.broadcast(buf, backs, root, a), async_op)
+            if way:
                 post = then_write_back(None, backs) if backs else None
                 return self._done("broadcast", path.broadcast(buf, root), post, buf, async_op)
         try:
@@ -539,8 +608,14 @@ class MPIBackend(BaseBackend):
             else:
                 send = self._separate(inp)
         if out.nbytes >= self._shm_from:
-            path = self._shared("all_gather_into_tensor", out.nbytes)
-            if path is not None:
+            path = self._shm or self._path("all_gather_into_tensor")
+            way = 0 if path is None else self._way("all_gather_into_tensor", out.nbytes, path.routes, "")
+            if way == TRIAL:
+                self.seq -= 1
+                mine = inp if send is None else send  # already separated from ``out`` where they overlapped
+                again = lambda a: self.all_gather_into_tensor(out, backs, mine, a)  # noqa: E731
+                return self._choice.measure(again, async_op)
+            if way:
                 post = then_write_back(None, backs) if backs else None
                 shm_op = path.all_gather(out, send)
                 return self._done("all_gather_into_tensor", shm_op, post, (out, send), async_op)

@@ -37,7 +37,7 @@ Peak extra memory: n x (2 x CHUNK + 2 x CHUNK/n + 4 KiB) per node (6 MiB for 2
 ranks, 10 MiB for 4), whatever the message size.
 
 Example (``mpiexec -n 2``, after ``init_process_group``): an all_reduce of 4 MiB takes
-this path (``shm_tuning.py`` says from which size)::
+this path where the group measured it faster than MPI's call (``shm_choice.py``)::
 
     >>> x = np.ones(1 << 20, np.float32)
     >>> dist.all_reduce(x); x[:2]
@@ -165,7 +165,7 @@ def _node_key() -> int:
 class Reducer:
     """How the shared-memory path reduces one dtype with one op: ``deposit``, ``reduce``, ``finish``."""
 
-    __slots__ = ("ufunc", "keys", "kdt", "mop", "mtype", "divide", "n")
+    __slots__ = ("ufunc", "keys", "kdt", "mop", "mtype", "divide", "n", "label", "routes")
 
     def __init__(self, ufunc: Any, keys: Prim | None, kdt: Any, mop: Any, mtype: Any, divide: Any, n: int) -> None:
         self.ufunc = ufunc  # numpy's loop (on values, or on order keys)
@@ -174,6 +174,8 @@ class Reducer:
         self.mop, self.mtype = mop, mtype  # mpidist's C op (float16/bfloat16) and the datatype it is called with
         self.divide = divide  # AVG's division of the sum, or None
         self.n = n
+        self.label = ""  # the dtype and op, for the log of the choices (set by SharedPath.reducer)
+        self.routes: dict[str, list[Any]] = {}  # per collective, its size classes (shm_choice.py)
 
     @classmethod
     def of(cls, e: TypeEntry, op: Any, n: int) -> Reducer | None:
@@ -238,10 +240,23 @@ class Reducer:
 class SharedPath:
     """One group's shared segment: the ranks' regions, their counters, and the queue of operations."""
 
-    def __init__(self, rank: int, size: int, mem: mmap.mmap, limits: dict[str, shm_tuning.Range]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        mem: mmap.mmap,
+        limits: dict[str, shm_tuning.Range],
+        fixed: frozenset[str] = frozenset(),
+        prior: dict[str, shm_tuning.Range] | None = None,
+    ) -> None:
         self.rank, self.size = rank, size
-        self.limits = limits  # the sizes (from, up to) at which each collective comes here (agreed by every rank)
-        self.smallest = min(low for low, _ in limits.values())
+        # the collectives MPIDIST_SHM_THRESHOLDS fixes, and the sizes (from, up to) at which each comes here
+        # (agreed by every rank); the others are measured (shm_choice.py) from SETUP_FLOOR on
+        self.fixed = fixed
+        self.limits = limits
+        self.prior = prior or {}  # the --tune table's ranges, agreed: a prior of the measuring
+        self.smallest = min(low if name in fixed else shm_tuning.SETUP_FLOOR for name, (low, _) in limits.items())
+        self.routes: dict[str, list[Any]] = {}  # broadcast's and all_gather_into_tensor's size classes (shm_choice)
         self.result_bytes = _region_sizes(size)[1]
         self.per = _region_sizes(size)[0]  # bytes of one rank's region (whole pages)
         self.mem = mem
@@ -273,7 +288,8 @@ class SharedPath:
         library = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
         # under ULFM MPI's calls report a dead member at once; a wait on shared counters would only time out
         willing = size > 1 and shm_tuning.enabled() and not shm_status() and not ulfm.enabled()
-        limits = shm_tuning.thresholds(size, library)
+        fixed = shm_tuning.overrides()
+        prior = shm_tuning.prior(size, library)
         per = _region_sizes(size)[0]
         name, mem, nonce = "", None, 0
         if willing and rank == 0:
@@ -288,7 +304,11 @@ class SharedPath:
                     fn, backend.group_name or "default", size * per / 2**20, size, exc,
                 )  # fmt: skip
         key = _node_key()
-        ranges = [v for c in shm_tuning.COLLECTIVES for v in (limits[c][0], -limits[c][1])]  # MAX of lows, MIN of highs
+        # per collective: fixed anywhere; MAX of the fixed lows, MIN of their highs; the same of the priors
+        ranges = []
+        for c in shm_tuning.COLLECTIVES:
+            low, high = fixed.get(c, (shm_tuning.SETUP_FLOOR, shm_tuning.NEVER))
+            ranges += [int(c in fixed), low, -high, prior[c][0], -prior[c][1]]
         mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *ranges], np.int64)
         agreed = np.zeros_like(mine)
         try:
@@ -316,8 +336,10 @@ class SharedPath:
                 f"memory {name} ({exc}); set MPIDIST_SHM=0 to use MPI's calls only"
             ) from exc
         ends = [int(v) for v in agreed[5:]]
-        limits = {c: (ends[2 * i], -ends[2 * i + 1]) for i, c in enumerate(shm_tuning.COLLECTIVES)}
-        path = cls(rank, size, mem, limits)
+        cols = list(enumerate(shm_tuning.COLLECTIVES))
+        limits = {c: (ends[5 * i + 1], -ends[5 * i + 2]) for i, c in cols}
+        prior = {c: (ends[5 * i + 3], -ends[5 * i + 4]) for i, c in cols if ends[5 * i + 3] < shm_tuning.NEVER}
+        path = cls(rank, size, mem, limits, frozenset(c for i, c in cols if ends[5 * i]), prior)
         _publish(path.mine + _ATTACHED, 1)
         if rank == 0:  # every rank has mapped it (or the wait ran out): the name can go
             try:
@@ -352,7 +374,9 @@ class SharedPath:
         """The reducer of ``op`` on ``e``'s dtype (cached), or None: MPI's path runs that reduction."""
         k = (e.info.dtype, op)
         if k not in self._reducers:
-            self._reducers[k] = Reducer.of(e, op, self.size)
+            r = self._reducers[k] = Reducer.of(e, op, self.size)
+            if r is not None:
+                r.label = f"{e.info.dtype.name} {getattr(op, 'name', op).lower()}"
         return self._reducers[k]
 
     def reduce_into(self, r: Reducer, dst: np.ndarray, sources: list[np.ndarray]) -> None:
@@ -371,7 +395,8 @@ class SharedPath:
         np.copyto(dst, tmp)
 
     def takes(self, fn: str, nbytes: int) -> bool:
-        """Whether a call of ``fn`` on ``nbytes`` comes here (every rank answers alike)."""
+        """Whether a call of ``fn`` on ``nbytes`` is in the range ``MPIDIST_SHM_THRESHOLDS`` fixed (every rank
+        answers alike)."""
         low, high = self.limits[fn]
         return low <= nbytes <= high
 

@@ -1,33 +1,31 @@
-"""From which message size the MPI backend's shared-memory path (``shm.py``) takes a collective.
+"""Where the MPI backend's shared-memory path (``shm.py``) may take a collective, and where it must.
 
-A threshold is a range of sizes in bytes, ``(from, up to)``, per collective and per
-number of ranks on the node; a call whose array is in it goes through shared memory,
-any other stays with MPI's own call (``up to`` is :data:`NEVER` where shared memory
-wins at every larger size; it is finite where, beyond cache sizes, both paths copy
-the same bytes and MPI's is as fast). The array measured is the one every rank
-passes alike: all_reduce's, broadcast's and reduce's array, all_gather_into_tensor's
-output, reduce_scatter_tensor's input.
+The path is chosen by measurement where the job runs (``shm_choice.py``): a group's
+first calls of each collective and size class try both MPI's call and shared memory,
+and the ranks agree on the faster. This module holds what overrides or informs that:
 
-Where a threshold comes from (a later source wins):
+1. ``MPIDIST_SHM=0`` turns the path off (every call takes MPI's);
+2. ``MPIDIST_SHM_THRESHOLDS``, e.g. ``all_reduce=256K,broadcast=off,all_gather_into_tensor=128K-4M``
+   (a size alone means no upper end), fixes the collectives it names: shared memory exactly
+   in that range, MPI's call elsewhere, nothing measured (:func:`overrides`);
+3. the table ``python -m mpidist.bench --tune`` writes for this MPI library
+   (:func:`tune_file`: ``MPIDIST_SHM_TUNE_FILE``, else ``~/.cache/mpidist/shm-thresholds.json``;
+   a table written for another library is ignored) is a prior (:func:`prior`): in its
+   ranges shared memory needs to win by less to be chosen (``shm_choice.PRIOR_MARGIN``).
 
-1. :data:`DEFAULTS`, measured on a 2-core machine with the MPICH 5 wheel
-   (``docs/performance.md``);
-2. the table ``python -m mpidist.bench --tune`` writes for this MPI library
-   (:func:`tune_file`: ``MPIDIST_SHM_TUNE_FILE``, else
-   ``~/.cache/mpidist/shm-thresholds.json``); a table written for another MPI
-   library is ignored;
-3. ``MPIDIST_SHM_THRESHOLDS``, e.g. ``all_reduce=256K,broadcast=off,all_gather_into_tensor=128K-4M``
-   (a size alone means no upper end).
-
-``MPIDIST_SHM=0`` turns the path off. The ranks of a group agree when the path is
-set up (``shm.SharedPath.setup``): it is used only where every rank allows it,
-from the largest of their lower ends up to the smallest of their upper ends, so
-ranks with different settings never take different paths.
+A range is ``(from, up to)`` in bytes, both included (``up to`` is :data:`NEVER` for no
+upper end). The size is the array every rank passes alike: all_reduce's, broadcast's
+and reduce's array, all_gather_into_tensor's output, reduce_scatter_tensor's input.
+The ranks of a group agree on both when the path is set up (``shm.SharedPath.setup``):
+a collective is fixed if any rank fixes it, in the largest of the lower ends up to the
+smallest of the upper ends; a prior holds only where every rank's holds; a rank with
+``MPIDIST_SHM=0`` turns the path off for the group.
 
 Example::
 
-    >>> thresholds(2)["all_reduce"]
-    (131072, 4611686018427387904)
+    >>> os.environ["MPIDIST_SHM_THRESHOLDS"] = "all_reduce=256K"
+    >>> overrides()
+    {'all_reduce': (262144, 4611686018427387904)}
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from typing import Any
 from .._validate import env_flag
 
 __all__ = [
-    "COLLECTIVES", "DEFAULTS", "NEVER", "SETUP_FLOOR", "Range", "thresholds", "enabled", "tune_file", "read_table",
+    "COLLECTIVES", "NEVER", "SETUP_FLOOR", "Range", "overrides", "prior", "enabled", "tune_file", "read_table",
     "write_table", "parse_size", "parse_range",
 ]  # fmt: skip
 
@@ -54,22 +52,6 @@ SETUP_FLOOR = 16 << 10
 
 #: a range of message sizes in bytes: (from, up to), both included
 Range = tuple[int, int]
-
-#: Where shared memory wins, by collective and ranks on the node (a count not listed takes the nearest
-#: one below). Measured with ``python -m mpidist.bench --tune`` and, launch after launch, with
-#: ``python -m mpidist.bench`` on the 2-core development machine (MPICH 5 wheel): the 2-rank ranges with a
-#: core per rank, the 3-rank ones from 4 ranks on the 2 cores. Only reduce won in every launch (0.06-0.40x
-#: raw MPI); all_reduce won in most (0.28-0.97x) and lost by up to 16% in some. broadcast,
-#: all_gather_into_tensor and reduce_scatter_tensor won by 1.5-5x in some launches and lost by 3-8x in
-#: others (docs/performance.md), so they are off unless ``--tune`` (or ``MPIDIST_SHM_THRESHOLDS``) turns
-#: them on for a machine where they win.
-DEFAULTS: dict[str, dict[int, Range]] = {
-    "all_reduce": {2: (128 << 10, NEVER), 3: (64 << 10, 2 << 20)},
-    "broadcast": {2: (NEVER, NEVER)},
-    "reduce": {2: (64 << 10, NEVER)},
-    "all_gather_into_tensor": {2: (NEVER, NEVER)},
-    "reduce_scatter_tensor": {2: (NEVER, NEVER)},
-}
 
 ENV_SWITCH = "MPIDIST_SHM"
 ENV_THRESHOLDS = "MPIDIST_SHM_THRESHOLDS"
@@ -151,16 +133,21 @@ def write_table(library: str, table: dict[str, dict[int, Range]], path: Path | N
     return path
 
 
-def thresholds(ranks: int, library: str = "") -> dict[str, Range]:
-    """The sizes at which each collective takes shared memory among ``ranks`` ranks of a node, for this process."""
+def prior(ranks: int, library: str = "") -> dict[str, Range]:
+    """The ``--tune`` table's ranges for ``ranks`` ranks on a node and MPI library ``library``; (NEVER, NEVER) where
+    it has none (the table is a prior of the measuring, see ``shm_choice.py``)."""
     tuned = read_table(library) if library else {}
     out = {}
     for name in COLLECTIVES:
-        value = _for_ranks(DEFAULTS[name], ranks)
-        if name in tuned and tuned[name]:
-            value = _for_ranks(tuned[name], ranks)
-        out[name] = value
+        low, high = _for_ranks(tuned[name], ranks) if tuned.get(name) else (NEVER, NEVER)
+        out[name] = (max(low, SETUP_FLOOR), high)
+    return out
+
+
+def overrides() -> dict[str, Range]:
+    """The collectives ``MPIDIST_SHM_THRESHOLDS`` fixes, and their ranges (no measuring for them)."""
     text = os.environ.get(ENV_THRESHOLDS, "").strip()
+    out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, size = item.partition("=")
         if not sep or name.strip() not in COLLECTIVES:
@@ -168,5 +155,6 @@ def thresholds(ranks: int, library: str = "") -> dict[str, Range]:
                 f"environment variable {ENV_THRESHOLDS}={text!r}: {item!r} is not collective=size "
                 f"(collectives: {', '.join(COLLECTIVES)})"
             )
-        out[name.strip()] = parse_range(size, f"environment variable {ENV_THRESHOLDS}")
-    return {name: (max(low, SETUP_FLOOR), high) for name, (low, high) in out.items()}
+        low, high = parse_range(size, f"environment variable {ENV_THRESHOLDS}")
+        out[name.strip()] = (max(low, SETUP_FLOOR), high)
+    return out

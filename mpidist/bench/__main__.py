@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tune", action="store_true",
         help="measure from which size the shared-memory path beats MPI's calls (-b/-e: default 16K..64M, x2) "
-        "and write the thresholds for this MPI library (see docs/performance.md)",
+        "and write the table the groups' own measuring starts from, for this MPI library (docs/performance.md)",
     )  # fmt: skip
     return p
 

@@ -52,13 +52,16 @@ class _Client:
     ``get`` never holds up the store's other threads. A lock guards the pool.
     """
 
-    def __init__(self, host: str, port: int, timeout: float | None, fn: str, key: JobKey | None) -> None:
+    def __init__(
+        self, host: str, port: int, timeout: float | None, fn: str, key: JobKey | None, connect: bool = True
+    ) -> None:
         self.host, self.port = host, port
         self.key = key
         self._lock = threading.Lock()
         self._closed = False
         self._lost = ""  # why the connection to the server was lost, once it was
-        self._idle: list[socket.socket] = [_connect(host, port, timeout, fn, key)]
+        # connect=False: the first request opens the first connection (as it opens any further one)
+        self._idle: list[socket.socket] = [_connect(host, port, timeout, fn, key)] if connect else []
         self._open: set[socket.socket] = set(self._idle)
 
     def _take(self, fn: str, connect_timeout: float | None) -> socket.socket:
@@ -300,6 +303,9 @@ class TCPStore(Store):
             on the port) at once. Both prove it over fresh nonces; the secret
             never crosses the wire. None (the default): torch's behaviour, no
             proof. See docs/security.md.
+        _connect_later: mpidist's own (its default store): the store opens its
+            connection with its first request, and does not count itself into
+            the master's ``world_size``; a server that is not there fails that request.
 
     Raises:
         DistNetworkError: the server cannot listen; no server answered within
@@ -329,6 +335,7 @@ class TCPStore(Store):
         use_libuv: bool = True,
         *,
         secret: bytes | str | JobKey | None = None,
+        _connect_later: bool = False,
     ) -> None:
         fn = "TCPStore"
         super().__init__(timeout)
@@ -375,12 +382,15 @@ class TCPStore(Store):
         self._port = port
         self._server = server
         wait_s = self._wait_seconds(None, fn)
+        later = _connect_later
         try:
-            self._client = _Client(host_name, port, wait_s, fn, key)
+            self._client = _Client(host_name, port, wait_s, fn, key, connect=not later)
         except BaseException:
             _shutdown(None, server, multi_tenant)
             raise
         self._finalizer = weakref.finalize(self, _shutdown, self._client, server, multi_tenant)
+        if later:  # mpidist's default store: the first request connects (init.py)
+            return
         try:
             joined = self._request(fn, Cmd.ADD, [wire.key_field(_INIT_KEY), b"1"])
             if is_master and wait_for_workers and world_size is not None:

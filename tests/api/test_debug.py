@@ -209,6 +209,52 @@ def test_init_process_group_reads_the_environment(no_debug_env):
     fail_together(problems)
 
 
+def test_info_says_where_the_start_up_time_went(no_debug_env, caplog):
+    """At INFO, init_process_group logs one line per rank: its time and each phase's (MPI start, Dup, store, ...)."""
+    from mpidist.testing import PG_TIMEOUT_S, init_default_group
+
+    caplog.set_level(logging.INFO, logger="mpidist")
+    problems: list[str] = []
+    dist.destroy_process_group()
+    try:
+        for level in ("INFO", "OFF"):
+            no_debug_env.setenv("MPIDIST_DEBUG", level)
+            caplog.clear()
+            dist.init_process_group(timeout=PG_TIMEOUT_S)
+            rank, size = dist.get_rank(), dist.get_world_size()
+            lines = [line for line in _trace_lines(caplog) if line.startswith("init_process_group:")]
+            dist.destroy_process_group()
+            if level == "OFF":
+                if lines:
+                    problems.append(f"MPIDIST_DEBUG=OFF logged {lines}")
+                continue
+            if len(lines) != 1:
+                problems.append(f"MPIDIST_DEBUG=INFO: {len(lines)} start-up lines, expected 1: {lines}")
+                continue
+            head = rf"^init_process_group: rank {rank} of {size} in (\d+\.\d{{3}}) s: "
+            match = re.match(head, lines[0])
+            phases = dict(
+                re.findall(r"(?:^|, |: )([a-zA-Z][a-zA-Z ]*?) (\d+\.\d{3}) s", lines[0][len("init_process_group") :])
+            )
+            wanted = {
+                "MPI start",
+                "Idup",
+                "agreement on rank and size",
+                "node split",
+                "Dup",
+                "default store",
+                "default group",
+            }
+            if match is None or not wanted <= set(phases):
+                problems.append(f"the start-up line {lines[0]!r} lacks the total or one of {sorted(wanted)}")
+            elif sum(float(v) for v in phases.values()) > float(match.group(1)) + 0.01:
+                problems.append(f"the phases of {lines[0]!r} add up to more than the total")
+    finally:
+        no_debug_env.delenv("MPIDIST_DEBUG")
+        init_default_group()
+    fail_together(problems)
+
+
 # ---------------------------------------------------------------------------------------
 # the wrapper comes and goes with the level
 # ---------------------------------------------------------------------------------------

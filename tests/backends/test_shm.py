@@ -109,6 +109,7 @@ def test_the_path_is_set_up_once_and_leaves_no_name_behind(groups):
     if path is not None:
         every = {k: (shm_tuning.SETUP_FLOOR, shm_tuning.NEVER) for k in shm_tuning.COLLECTIVES}
         c.equal("agreed thresholds", path.limits, every)
+        c.equal("collectives fixed by the variable (not measured)", path.fixed, frozenset(shm_tuning.COLLECTIVES))
     pid0 = MPI.COMM_WORLD.bcast(os.getpid(), root=0)
     left = {s for s in _segments() if s.startswith(f"mpidist-{pid0}-")}
     c.true(f"names left in /dev/shm: {left}", not left)
@@ -193,7 +194,11 @@ def test_non_contiguous_arrays_are_written_back(groups):
     out = np.full((n_elems, 2), -7.0)
     blocks = inputs_of(SIZE, (SIZE * n_elems,), np.float64, 4)
     dist.reduce_scatter_tensor(out[:, 1], blocks[RANK], group=on)
-    c.equal("reduce_scatter_tensor into a column", out[:, 1], reference(blocks, R.SUM)[RANK * n_elems : (RANK + 1) * n_elems])
+    c.equal(
+        "reduce_scatter_tensor into a column",
+        out[:, 1],
+        reference(blocks, R.SUM)[RANK * n_elems : (RANK + 1) * n_elems],
+    )
     c.done()
 
 
@@ -364,25 +369,29 @@ def test_ranks_with_different_thresholds_agree_on_the_largest():
 
 
 @pytest.mark.one_rank
-def test_thresholds_from_defaults_table_and_environment(tmp_path, monkeypatch):
-    """Defaults, the tune table (only for its own library), the variable; bad words name the variable."""
+def test_prior_from_the_table_and_overrides_from_the_environment(tmp_path, monkeypatch):
+    """No static defaults: without a table there is no prior; the tune table (only for its own library) is the
+    prior; the variable fixes what it names (nothing else); bad words name the variable."""
     monkeypatch.setenv(shm_tuning.ENV_TUNE_FILE, str(tmp_path / "t.json"))
     monkeypatch.delenv(shm_tuning.ENV_THRESHOLDS, raising=False)
     never = shm_tuning.NEVER
-    assert shm_tuning.thresholds(2, "lib A")["all_reduce"] == shm_tuning.DEFAULTS["all_reduce"][2]
+    assert set(shm_tuning.prior(2, "lib A").values()) == {(never, never)}
+    assert shm_tuning.overrides() == {}
     shm_tuning.write_table("lib A", {"all_reduce": {2: (1 << 20, never), 4: (2 << 20, 8 << 20)}})
-    assert shm_tuning.thresholds(2, "lib A")["all_reduce"] == (1 << 20, never)
-    assert shm_tuning.thresholds(8, "lib A")["all_reduce"] == (2 << 20, 8 << 20)  # the nearest count below
-    assert shm_tuning.thresholds(2, "lib B")["all_reduce"] == shm_tuning.DEFAULTS["all_reduce"][2]
+    assert shm_tuning.prior(2, "lib A")["all_reduce"] == (1 << 20, never)
+    assert shm_tuning.prior(8, "lib A")["all_reduce"] == (2 << 20, 8 << 20)  # the nearest count below
+    assert shm_tuning.prior(2, "lib A")["broadcast"] == (never, never)
+    assert shm_tuning.prior(2, "lib B")["all_reduce"] == (never, never)
     monkeypatch.setenv(shm_tuning.ENV_THRESHOLDS, "all_reduce=4M, broadcast=off,reduce=1,all_gather_into_tensor=1K-2M")
-    t = shm_tuning.thresholds(2, "lib A")
+    t = shm_tuning.overrides()
     assert t["all_reduce"] == (4 << 20, never) and t["broadcast"] == (never, never)
     assert t["reduce"] == (shm_tuning.SETUP_FLOOR, never)
     assert t["all_gather_into_tensor"] == (shm_tuning.SETUP_FLOOR, 2 << 20)
+    assert "reduce_scatter_tensor" not in t  # measured
     for bad in ("all_reduce", "allreduce=4M", "all_reduce=4Q", "all_reduce=-1", "all_reduce=1M-"):
         monkeypatch.setenv(shm_tuning.ENV_THRESHOLDS, bad)
         with pytest.raises(ValueError, match=shm_tuning.ENV_THRESHOLDS):
-            shm_tuning.thresholds(2, "lib A")
+            shm_tuning.overrides()
     from mpidist.bench.tune import best_range
 
     k = 1 << 10

@@ -121,6 +121,27 @@ def test_missing_rank_times_out_with_diagnosis(op):
     fail_together(problems)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["all_reduce", "barrier"])
+def test_missing_rank_times_out_with_diagnosis_in_a_napping_wait(monkeypatch, op):
+    """As above in the wait of a node with more ranks than cores (yields, then naps), whatever this node has."""
+    from mpidist._world import world
+
+    monkeypatch.setattr(world.init_info, "oversubscribed", True)
+    g = dist.new_group(timeout=T)
+    MPI.COMM_WORLD.Barrier()
+    problems: list[str] = []
+    if RANK != MISSING:
+        problems, _ = expect_timeout(
+            lambda: _run(op, g), [timeout_head(op, 1, g), rf"Rank {MISSING}: {NO_ANSWER}", UNUSABLE], T + SLACK, op
+        )
+    meet_outside_mpidist()
+    dist.barrier()
+    dist.destroy_process_group(g)
+    problems += world_sum_ok()
+    fail_together(problems)
+
+
 @pytest.mark.mpi(min_size=3)
 def test_ranks_that_time_out_together_report_each_other_as_waiting():
     """Ranks stuck in the same call answer each other's survey: "waiting in all_reduce (call #1)"."""

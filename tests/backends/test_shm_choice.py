@@ -1,0 +1,215 @@
+"""The choice between MPI's call and the shared-memory path by measurement (backends/shm_choice.py).
+
+A group's first calls of each collective and size class alternate between the two paths; then the
+ranks agree on one. Results must be right on every call, during and after measuring; ranks whose
+clocks disagree must still take the same path; a rank that stops during the measuring calls gives
+the others the group's timeout; MPIDIST_SHM_THRESHOLDS skips the measuring; INFO logs each choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist as dist
+from mpidist import DistBackendError
+from mpidist.backends import shm, shm_choice, shm_tuning
+from mpidist.bench.tune import group_under
+from mpidist.testing import backend_of
+
+from helpers import Checks, fail_together, meet_outside_mpidist, timeout_head
+
+RANK = MPI.COMM_WORLD.Get_rank()
+SIZE = MPI.COMM_WORLD.Get_size()
+#: the calls of one class before the choice: every measured call, then the one that agrees
+MEASURED = shm_choice.ROUND
+#: elements of float32 in the arrays: 64 KiB, in one size class, cheap on either path
+N = (64 << 10) // 4
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(bool(shm.shm_status()), reason=f"no shared-memory path here: {shm.shm_status()}"),
+]
+
+
+def _chunks(g) -> int:
+    path = backend_of(g).shared_memory()
+    return -1 if path is None else path.chunks
+
+
+def _calls(g, async_op: bool) -> dict[str, str]:
+    """One call of each collective of the path at 64 KiB on ``g``, checked: name -> its check's problem or ''."""
+    m = N // SIZE
+    got = {}
+    x = np.full(N, RANK + 1, np.float32)
+    w = dist.all_reduce(x, group=g, async_op=async_op)
+    w and w.wait()
+    got["all_reduce"] = "" if (x == SIZE * (SIZE + 1) / 2).all() else f"all_reduce gave {x[:3]}"
+    x = np.full(N, RANK + 1, np.float32)
+    w = dist.reduce(x, dst=SIZE - 1, group=g, async_op=async_op)
+    w and w.wait()
+    ok = (x == (SIZE * (SIZE + 1) / 2 if RANK == SIZE - 1 else RANK + 1)).all()
+    got["reduce"] = "" if ok else f"reduce gave {x[:3]}"
+    x = np.full(N, RANK, np.float32)
+    w = dist.broadcast(x, src=SIZE - 1, group=g, async_op=async_op)
+    w and w.wait()
+    got["broadcast"] = "" if (x == SIZE - 1).all() else f"broadcast gave {x[:3]}"
+    out = np.zeros(m * SIZE, np.float32)
+    w = dist.all_gather_into_tensor(out, np.full(m, RANK, np.float32), group=g, async_op=async_op)
+    w and w.wait()
+    ok = (out.reshape(SIZE, m) == np.arange(SIZE, dtype=np.float32)[:, None]).all()
+    got["all_gather_into_tensor"] = "" if ok else f"all_gather_into_tensor gave {out[::m]}"
+    out = np.zeros(m, np.float32)
+    w = dist.reduce_scatter_tensor(out, np.full(m * SIZE, RANK + 1, np.float32), group=g, async_op=async_op)
+    w and w.wait()
+    got["reduce_scatter_tensor"] = "" if (out == SIZE * (SIZE + 1) / 2).all() else f"reduce_scatter gave {out[:3]}"
+    return got
+
+
+@pytest.mark.mpi(min_size=2)
+def test_results_are_right_while_measuring_and_after():
+    """Every collective of the path, blocking and async in turn: right on every call; both paths measured; one choice
+    per collective after MEASURED calls, the same on every rank."""
+    g = group_under(dist, {})  # its first broadcast (group_under's) is broadcast's first measured call
+    c = Checks()
+    before = _chunks(g)
+    for k in range(MEASURED + 2):
+        for problem in _calls(g, async_op=bool(k % 2)).values():
+            c.true(f"call {k}: {problem}", not problem)
+    c.true("no measured call took shared memory", _chunks(g) > before)
+    choices = backend_of(g).shared_memory_choices()
+    decided = {fn: way for fn, _, _, way in choices}
+    c.equal("collectives with a choice", sorted(decided), sorted(shm_tuning.COLLECTIVES))
+    c.true(f"a class still measuring: {choices}", all(not w.startswith("measuring") for w in decided.values()))
+    c.identical("the choices", np.frombuffer(repr(sorted(choices)).encode().ljust(2000), np.uint8))
+    c.done()
+    dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_whose_timings_disagree_take_the_same_path(monkeypatch, caplog):
+    """Rank 0's clock says MPI wins by far, every other rank's that shared memory does: one choice for all, logged
+    once per class at INFO with the timings; later calls take it on every rank."""
+    monkeypatch.setattr(shm_choice, "skew", (1.0, 1e4) if RANK == 0 else (1e4, 1.0))
+    caplog.set_level(logging.INFO, logger="mpidist")
+    g = group_under(dist, {})
+    c = Checks()
+    x = np.ones(N, np.float32)
+    for _ in range(MEASURED + 1):
+        dist.all_reduce(x, group=g)
+    c.equal("all_reduce's results", x, np.full(N, float(SIZE ** (MEASURED + 1)), np.float32))
+    (choice,) = [way for fn, _, _, way in backend_of(g).shared_memory_choices() if fn == "all_reduce"]
+    c.true(
+        f"the choices differ between ranks: {MPI.COMM_WORLD.allgather(choice)}",
+        len(set(MPI.COMM_WORLD.allgather(choice))) == 1,
+    )
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("all_reduce float32 sum, 64 KiB-128 KiB")
+    ]
+    c.equal("log lines of all_reduce's choice", len(lines), 1)
+    alone = "MPI" if RANK == 0 else "shared memory"
+    c.true(
+        f"the log line {lines} does not say this rank alone would take {alone}",
+        any(f"alone it would take {alone};" in s for s in lines),
+    )
+    c.true(
+        f"the log line {lines} does not name the choice {choice}", any(f"rank {RANK}: {choice} (" in s for s in lines)
+    )
+    before = _chunks(g)
+    for _ in range(3):
+        dist.all_reduce(x, group=g)
+    took = _chunks(g) - before
+    c.identical("chunks moved by the calls after the choice", np.array([took]))
+    c.equal("shared memory taken as chosen", took > 0, choice == "shared memory")
+    c.done()
+    dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_environment_override_skips_measuring():
+    """MPIDIST_SHM_THRESHOLDS fixes what it names (no measured call, no choice); the others are measured."""
+    g = group_under(dist, {shm_tuning.ENV_THRESHOLDS: "all_reduce=off,reduce=16K"})
+    c = Checks()
+    for k in range(MEASURED + 1):
+        before = _chunks(g)
+        x = np.ones(N, np.float32)
+        dist.all_reduce(x, group=g)
+        c.equal(f"all_reduce {k} moved chunks", _chunks(g), before)
+        dist.reduce(x, dst=0, group=g)
+        c.true(f"reduce {k} did not take shared memory", _chunks(g) > before)
+        x = np.ones(N, np.float32)
+        dist.reduce_scatter_tensor(x[: N // SIZE], x[: N // SIZE * SIZE].copy(), group=g)
+    fns = {fn for fn, _, _, _ in backend_of(g).shared_memory_choices()}
+    c.equal("collectives measured", sorted(fns), ["broadcast", "reduce_scatter_tensor"])
+    c.done()
+    dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("calls_first", [3, MEASURED], ids=["measured-call", "agreement"])
+def test_a_rank_stopped_during_measuring_gives_the_timeout(calls_first):
+    """Rank 1 makes ``calls_first`` all_reduce calls and stays away: the others, in the next measured call or in
+    the agreement after the measured calls, raise the group's timeout naming rank 1."""
+    g = group_under(dist, {}, timeout=1.0)
+    x = np.ones(N, np.float32)
+    for _ in range(calls_first):
+        dist.all_reduce(x, group=g)
+    problems: list[str] = []
+    if RANK != 1:
+        seq = backend_of(g).calls_issued() + 1
+        start = time.monotonic()
+        try:
+            dist.all_reduce(x, group=g)
+            problems.append("all_reduce with rank 1 away completed")
+        except DistBackendError as exc:
+            for pattern in (timeout_head("all_reduce", seq, g), r"Rank 1: no answer"):
+                if not re.search(pattern, str(exc)):
+                    problems.append(f"message {str(exc)!r} does not match {pattern!r}")
+            if time.monotonic() - start > 3.0:
+                problems.append(f"the error came after {time.monotonic() - start:.2f} s")
+    meet_outside_mpidist()
+    dist.barrier()
+    dist.destroy_process_group(g)
+    fail_together(problems)
+
+
+class _Alone:
+    """What a Chooser reads of its backend, on MPI_COMM_SELF: the agreement is this process's own numbers."""
+
+    comm, timeout_s, spins, group_name, rank, seq = MPI.COMM_SELF, 5.0, 16, "alone", 0, 1
+
+
+def _choose(prior: dict, mpi_s: float, shm_s: float, nbytes: int = 64 << 10) -> tuple[int, shm_choice.Route]:
+    """Step a Chooser through one round of measured calls with these timings; return what the next call takes."""
+    ch = shm_choice.Chooser(_Alone(), prior)
+    table = [None] * shm_choice.CLASSES
+    for _ in range(shm_choice.ROUND):
+        assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.TRIAL
+        route, shared, timed = ch.pending
+        if timed:
+            route.add(shared, shm_s if shared else mpi_s)
+    return ch.next(table, "all_reduce", "float32 sum", nbytes), route
+
+
+@pytest.mark.one_rank
+def test_the_margin_the_prior_and_the_checks_again():
+    """Shared memory only where it wins by the margin (by any amount where the --tune prior says it wins); the
+    choice holds RECHECK_FIRST calls, then the class is measured again; other classes are their own."""
+    never = shm_tuning.NEVER
+    assert _choose({}, 1.0, 0.85)[0] == shm_choice.SHARED
+    assert _choose({}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # not clearly faster: MPI's call
+    assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 0.95)[0] == shm_choice.SHARED  # the prior
+    assert _choose({"all_reduce": (1 << 20, never)}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # a prior elsewhere
+    assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 1.05)[0] == shm_choice.MPI_CALL  # not the last word
+    way, route = _choose({}, 1.0, 0.5)
+    ch = shm_choice.Chooser(_Alone(), {})
+    table = [None] * shm_choice.CLASSES
+    table[route.bits] = route
+    takes = [ch.next(table, "all_reduce", "float32 sum", 100 << 10) for _ in range(shm_choice.RECHECK_FIRST)]
+    assert takes[:-1] == [shm_choice.SHARED] * (shm_choice.RECHECK_FIRST - 1) and takes[-1] == shm_choice.TRIAL
+    assert ch.next(table, "all_reduce", "float32 sum", 200 << 10) == shm_choice.TRIAL  # another class
