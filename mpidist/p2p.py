@@ -181,7 +181,7 @@ def send(
         return None
     peer = pg.root_rank(dst, group_dst, "send", _DST)
     _not_self(pg, peer, "send", "destination")
-    _start_send(pg, tensor, peer, tag, "send").wait()
+    pg.send_and_wait(prepare_input(tensor, "send", "tensor"), peer, tag_value(tag, "send"))
     return None
 
 
@@ -236,10 +236,8 @@ def recv(
         _not_self(pg, peer, "recv", "source")
     buf, target = prepare_output(tensor, "recv", "tensor")
     # waited for at once: the backend may match the message before writing (sharp-bits: receive sizes)
-    w = pg.recv_blocking(buf, None if target is None else [(buf, target)], peer, tag_value(tag, "recv"))
-    w.with_outputs([tensor])
-    w.wait()
-    return pg.ranks[w.source_rank()]
+    source = pg.recv_and_wait(buf, None if target is None else [(buf, target)], peer, tag_value(tag, "recv"))
+    return pg.ranks[source]
 
 
 class P2POp:

@@ -296,6 +296,16 @@ class ProcessGroup:
         b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
         return b.recv_blocking(buf, backs, peer, tag)
 
+    def send_and_wait(self, buf: Buffer, peer: int, tag: int) -> None:
+        """Blocking ``send``: posted and waited for in one backend call."""
+        b = (self._route.get(type(buf)) or self._levels("send", buf))[world.debug_level]
+        b.send_and_wait(buf, peer, tag)
+
+    def recv_and_wait(self, buf: Buffer, backs: Backs, peer: int | None, tag: int) -> int:
+        """Blocking ``recv`` (``BaseBackend.recv_and_wait``); returns the source's group rank."""
+        b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
+        return b.recv_and_wait(buf, backs, peer, tag)
+
     def batch_p2p(self, ops: list[tuple[bool, Buffer, Backs, int, int]]) -> list[Work]:
         """Post ``(is_send, buffer, backs, peer, tag)`` sends and receives as one batch.
 

@@ -65,10 +65,11 @@ typedef Py_intptr_t H; /* a handle of either ABI, widened */
 
 /* Each MPI call, once per handle ABI: T is the C type of MPI_Comm, MPI_Datatype, MPI_Op, MPI_Request. */
 #define CALLS(SUF, T)                                                                                      \
-    static int test_##SUF(H *req, int *flag) {                                                             \
+    /* status: where the MPI_Status goes (NULL: a local one, ignored) */                                 \
+    static int test_##SUF(H *req, int *flag, void *status) {                                               \
         T r = (T)*req;                                                                                     \
-        char status[256]; /* larger than any MPI_Status; avoids the ABI's MPI_STATUS_IGNORE */             \
-        int rc = ((int (*)(T *, int *, void *))S.fn[FN_TEST])(&r, flag, status);                            \
+        char ignored[256]; /* larger than any MPI_Status; avoids the ABI's MPI_STATUS_IGNORE */            \
+        int rc = ((int (*)(T *, int *, void *))S.fn[FN_TEST])(&r, flag, status ? status : ignored);         \
         *req = (H)r;                                                                                       \
         return rc;                                                                                         \
     }                                                                                                      \
@@ -112,6 +113,7 @@ typedef struct {
     H comm;
     int rank, size;
     PyObject *fallback;
+    PyObject *scratch; /* the blocking recv's buffer for small messages (_direct_p2p.c), or NULL */
 } Direct;
 
 /* the handle of an mpi4py object of type `type` (mpi4py.MPI.Datatype or Op), as `get` (mpi4py's
@@ -186,11 +188,12 @@ static PyObject *finish(int rc, int done, H req) {
     return PyLong_FromSize_t((size_t)req); /* as mpi4py shows handles: the unsigned pointer-width value */
 }
 
-static int spin(H *req, int spins, int *done) {
+/* test `req` up to `spins` times (GIL released); `status` (NULL: ignored) gets the completed one's MPI_Status */
+static int spin(H *req, int spins, int *done, void *status) {
     int rc = 0;
     *done = 0;
     while (spins-- > 0 && !*done) {
-        rc = CALL(test, req, done);
+        rc = CALL(test, req, done, status);
         if (rc != 0) break;
     }
     return rc;
@@ -201,7 +204,7 @@ static int spin(H *req, int spins, int *done) {
     H req = 0;                          \
     Py_BEGIN_ALLOW_THREADS              \
     rc = call;                          \
-    if (rc == 0) rc = spin(&req, spins, &done); \
+    if (rc == 0) rc = spin(&req, spins, &done, NULL); \
     Py_END_ALLOW_THREADS                \
     return finish(rc, done, req);
 
@@ -289,6 +292,9 @@ static PyObject *direct_reduce_scatter(Direct *self, PyObject *const *args, Py_s
     return fallback(self, "reduce_scatter", args, nargs);
 }
 
+/* point-to-point (send, recv, irecv): a section of its own */
+#include "_direct_p2p.c"
+
 static int direct_init(Direct *self, PyObject *args, PyObject *kwds) {
     PyObject *comm, *fb;
     int rank, size;
@@ -314,12 +320,13 @@ static int direct_init(Direct *self, PyObject *args, PyObject *kwds) {
 
 static void direct_dealloc(Direct *self) {
     Py_XDECREF(self->fallback);
+    Py_XDECREF(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 #define M(name) {#name, (PyCFunction)(void (*)(void))direct_##name, METH_FASTCALL, NULL}
 static PyMethodDef direct_methods[] = {M(allreduce), M(reduce), M(bcast), M(allgather), M(alltoall),
-                                     M(reduce_scatter_block), M(reduce_scatter), {NULL}};
+                                     M(reduce_scatter_block), M(reduce_scatter), P2P_METHODS, {NULL}};
 
 static PyTypeObject DirectType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mpidist.backends._direct.Direct",
@@ -396,6 +403,7 @@ static PyObject *handle(PyObject *mod, PyObject *o) {
 
 static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS, "bind(library, int_handles, in_place, Datatype, Op, Exception, capi)"},
+    P2P_MODULE_METHODS,
     {"handle", handle, METH_O, "handle(obj): the MPI handle of an mpi4py Datatype or Op, as the calls read it"},
     {NULL}};
 

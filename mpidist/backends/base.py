@@ -312,6 +312,16 @@ class BaseBackend(ABC):
         """
         return self.recv(buf, backs, peer, tag)
 
+    def send_and_wait(self, buf: np.ndarray, peer: int, tag: int) -> None:
+        """Blocking ``send``: post it and wait within the timeout (a backend may do both in one call)."""
+        self.send(buf, peer, tag).wait()
+
+    def recv_and_wait(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> int:
+        """Blocking ``recv`` (as ``recv_blocking``, waited for); return the source's group rank."""
+        w = self.recv_blocking(buf, backs, peer, tag)
+        w.wait()
+        return w.source_rank()
+
     # -- persistent operations: by default each run is the backend's nonblocking call ----------
     def _nonblocking_plan(self, op: str, begin: Callable[[], Any], keep: Any, p2p: bool = False) -> PersistentPlan:
         """A plan whose every run is ``begin()``, a call with ``async_op=True`` (or isend/irecv)."""

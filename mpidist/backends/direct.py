@@ -29,6 +29,7 @@ Example (``mpiexec -n 1``, after ``init_process_group``)::
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ IN_PLACE = MPI.IN_PLACE
 class MPI4pyCalls:
     """The hot collectives through mpi4py: each returns the ``MPI.Request`` of the posted operation."""
 
-    __slots__ = ("_rank", "_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs")
+    __slots__ = ("_rank", "_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs", "_isend")
 
     def __init__(self, comm: MPI.Comm) -> None:
         self._rank = comm.Get_rank()
@@ -56,6 +57,7 @@ class MPI4pyCalls:
         self._ialltoall = comm.Ialltoall
         self._irsb = comm.Ireduce_scatter_block
         self._irs = comm.Ireduce_scatter
+        self._isend = comm.Isend
 
     def allreduce(self, buf: Any, dt: MPI.Datatype, op: MPI.Op, spins: int) -> MPI.Request:
         """In place."""
@@ -82,6 +84,18 @@ class MPI4pyCalls:
     def reduce_scatter(self, out: Any, inp: Any, dt: MPI.Datatype, op: MPI.Op, spins: int) -> MPI.Request:
         """The vector call with equal counts (faster than the block call for large inputs on MPICH)."""
         return self._irs([inp, dt], [out, dt], None, op)
+
+    # -- point-to-point (the contracts of _direct_p2p.c) --
+    def send(self, buf: Any, dt: MPI.Datatype, peer: int, tag: int, spins: int) -> MPI.Request:
+        return self._isend([buf, dt], peer, tag)
+
+    def irecv(self, buf: Any, peer: int, tag: int) -> None:
+        """None: the backend posts the receive itself (``mpi_receive.posted_receive``)."""
+        return None
+
+    def recv(self, buf: Any, peer: int, tag: int, spins: int) -> None:
+        """None: nothing posted or matched; the backend's matched receive takes the message."""
+        return None
 
 
 class DirectState:
@@ -148,10 +162,23 @@ def _bind() -> DirectState:
             MPI.Exception,
             capi,
         )
-    except OSError as exc:
+        _direct.bind_p2p(MPI.__file__, MPI.BYTE, MPI.ERR_TRUNCATE, _source_offset())
+    except (OSError, ValueError) as exc:
         return DirectState(None, str(exc))
     problem = _self_check(_direct)
     return DirectState(None, problem) if problem else DirectState(_direct, "")
+
+
+def _source_offset() -> int:
+    """The byte offset of ``MPI_SOURCE`` in this library's ``MPI_Status``, found with mpi4py's ``Set_source``."""
+    status = MPI.Status()
+    marker = 0x5A5A5A5
+    status.Set_source(marker)
+    words = np.frombuffer(ctypes.string_at(MPI._addressof(status), MPI._sizeof(MPI.Status)), np.intc)
+    found = np.flatnonzero(words == marker)
+    if len(found) != 1:
+        raise ValueError("mpi4py's Status.Set_source wrote no single field of the MPI_Status")
+    return int(found[0]) * words.itemsize
 
 
 def _self_check(module: Any) -> str:

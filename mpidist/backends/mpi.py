@@ -43,7 +43,7 @@ from ..work import Work, poll
 from . import ulfm
 from .base import BaseBackend, PersistentPlan
 from .direct import calls_kind, make_calls
-from .mpi_receive import Receive, posted_receive, reports_self_truncation
+from .mpi_receive import Receive, finish_blocking_receive, posted_receive, reports_self_truncation
 from .mpi_reductions import reduction_plan
 from .mpi_types import (
     BLOCK_VARIANT_LIMIT,
@@ -768,15 +768,51 @@ class MPIBackend(BaseBackend):
         return self._done("barrier", req, None, None, async_op)
 
     # -- point-to-point -------------------------------------------------------------------
+    # (one call each through self._calls: straight to MPI where the C calls are bound, see _direct_p2p.c)
     def send(self, buf: ndarray, peer: int, tag: int) -> Work:
         self.p2p_seq += 1
         self.sent += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "send")
         try:
-            req = self.comm.Isend([buf, e.mpi], peer, tag)
+            req = self._calls.send(buf, e.mpi, peer, tag, 0)
         except MPI.Exception as exc:
             raise self.backend_error("send", self.p2p_seq, exc) from exc
+        if type(req) is int:
+            req = _REQUEST.fromhandle(req)
         return Work([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
+
+    def send_and_wait(self, buf: ndarray, peer: int, tag: int) -> None:
+        self.p2p_seq += 1
+        self.sent += 1
+        e = self._types.get(buf.dtype) or bad_dtype(buf, "send")
+        try:
+            req = self._calls.send(buf, e.mpi, peer, tag, self.spins)
+            if req is None:  # complete within the C call's tests
+                return
+            if type(req) is int:
+                req = _REQUEST.fromhandle(req)
+            if req.Test() or poll(req.Test, self.timeout_s, self.spins, (self.group_name, "send", self.p2p_seq)):
+                return
+        except MPI.Exception as exc:
+            raise self.backend_error("send", self.p2p_seq, exc) from exc
+        self.keep_stuck([req], buf)
+        raise self.timeout_failure("send", self.p2p_seq, self.timeout_s)
+
+    def recv_and_wait(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> int:
+        """Receive a message of ``buf``'s size into it, never writing one of another size there (see
+        ``_direct_p2p.c`` and :class:`~mpidist.backends.mpi_receive.Receive`); return the source's group rank."""
+        self.p2p_seq += 1
+        self.received += 1
+        e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
+        got = None
+        if backs is None:
+            try:
+                got = self._calls.recv(buf, ANY_SOURCE if peer is None else peer, tag, self.spins)
+            except MPI.Exception as exc:
+                raise self.backend_error("recv", self.p2p_seq, exc) from exc
+            if type(got) is int:
+                return got
+        return finish_blocking_receive(self, got, buf, e, backs, peer, tag)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Post the receive into ``buf`` at once (see :class:`~mpidist.backends.mpi_receive.Receive`)."""
@@ -784,7 +820,14 @@ class MPIBackend(BaseBackend):
         self.received += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         target = buf
-        if (peer == self.rank or (peer is None and self.size == 1)) and not reports_self_truncation():
+        if peer != self.rank and (peer is not None or self.size > 1):  # not from this rank itself (below)
+            try:
+                req = self._calls.irecv(buf, ANY_SOURCE if peer is None else peer, tag)
+            except MPI.Exception as exc:
+                raise self.backend_error("recv", self.p2p_seq, exc) from exc
+            if req is not None:  # posted as bytes, as posted_receive does
+                return Receive(_REQUEST.fromhandle(req), buf, e, backs, self, peer, None, None, True)
+        elif not reports_self_truncation():
             # Open MPI truncates a longer message from this rank to itself without an error:
             # receive into one element more, so that a longer message shows (copied on completion)
             target = np.empty(buf.size + 1, buf.dtype)

@@ -1,7 +1,7 @@
 """The MPI backend's receive path: posting a receive, matching a message, checking its size.
 
 A receive is *posted* (``MPIBackend.recv``: ``irecv`` and ``batch_isend_irecv``; and
-``recv_init``'s persistent receive) or *matched* (``MPIBackend.recv_blocking``:
+``recv_init``'s persistent receive) or *matched* (``MPIBackend.recv_and_wait``:
 blocking ``recv``); :class:`Receive` is the Work of both (see its docstring). A
 message of another size than the receive's array raises ValueError
 (:func:`receive_size_error`), never a crash inside MPI: a posted receive takes
@@ -28,12 +28,19 @@ from ..work import Work, poll
 from .base import BaseBackend
 from .mpi_types import LARGE_COUNTS, TypeEntry
 
-__all__ = ["Receive", "posted_receive", "arrived", "receive_size_error", "reports_self_truncation"]
+__all__ = [
+    "Receive", "posted_receive", "arrived", "receive_size_error", "reports_self_truncation", "finish_blocking_receive",
+]  # fmt: skip
 
 BYTE = MPI.BYTE
 ANY_SOURCE = MPI.ANY_SOURCE
 ERR_TRUNCATE = MPI.ERR_TRUNCATE
+_REQUEST = MPI.Request
+_MESSAGE = MPI.Message
 ndarray = np.ndarray
+
+#: the note of a blocking recv that timed out before any message came
+_NOTHING_POSTED = "No message had arrived, and nothing is left posted: the next message goes to the next receive."
 
 
 #: a posted receive of this many bytes or fewer posts bytes, not elements (see posted_receive)
@@ -75,6 +82,38 @@ def receive_size_error(size: int, name: str, source: int, got: int) -> ValueErro
     return ValueError(f"recv: expected {size} elements of {name} {where} but {arrived} arrived; sizes must match")
 
 
+def _elements(nbytes: int, itemsize: int) -> int:
+    """``nbytes`` as :func:`arrived` reports it: elements, ``-2 - bytes`` if not whole elements, -3 if unknown (-1)."""
+    if nbytes < 0:
+        return -3
+    return nbytes // itemsize if nbytes % itemsize == 0 else -2 - nbytes
+
+
+def finish_blocking_receive(
+    owner: BaseBackend, got: Any, buf: ndarray, e: TypeEntry, backs: Any, peer: int | None, tag: int
+) -> int:
+    """Finish a blocking ``recv`` that the direct call did not complete; return the source's group rank.
+
+    ``got`` is what ``Direct.recv`` returned (``backends/_direct_p2p.c``) when it was not the source:
+    None (nothing posted or matched: the matched receive of :class:`Receive` takes the message, as
+    where C is off or the array is staged), a pending receive (into the scratch buffer, or into ``buf``),
+    a message of another size that arrived (raised here) or matched and is still to be received.
+    """
+    if got is None:
+        w = Receive(None, buf, e, backs, owner, peer, (owner.comm, tag))  # type: ignore[attr-defined]
+    elif len(got) == 1:  # (request,): the receive into buf, its size matched
+        w = Receive(_REQUEST.fromhandle(got[0]), buf, e, None, owner, peer, None, None, True)
+    elif len(got) == 3:  # (source, bytes, message): matched, of another size
+        w = Receive(None, buf, e, None, owner, peer, None)
+        w.receive_elsewhere(_MESSAGE.fromhandle(got[2]), got[1])
+    elif type(got[1]) is ndarray:  # (request, scratch): the small route's receive, pending
+        w = Receive(_REQUEST.fromhandle(got[0]), buf, e, None, owner, peer, None, None, True, got[1])
+    else:  # (source, bytes): arrived, of another size; buf untouched
+        raise receive_size_error(buf.size, e.info.name, got[0], _elements(got[1], buf.itemsize))
+    w.wait()
+    return w.source_rank()
+
+
 def reports_self_truncation() -> bool:
     """Whether this MPI library reports a message a rank sends itself that is longer than the receive.
 
@@ -113,6 +152,14 @@ class Receive(Work):
       it (``MPI_Imrecv``) into the array. A message of another size goes into a
       scratch buffer (so the array is untouched) and raises ValueError.
 
+    Where the C calls are bound, a blocking ``recv`` first runs in C
+    (``MPIBackend.recv_and_wait``, ``_direct_p2p.c``): a small array's message is
+    received into a scratch buffer and copied into the array only if it has the
+    array's size (no probe: MPI matches it on arrival), a large one is matched
+    first as above. Only what that call leaves pending becomes a Receive
+    (:func:`finish_blocking_receive`); a scratch receive that times out is
+    cancelled, leaving nothing posted.
+
     When ``wait`` times out, a posted receive that no message has matched is
     cancelled (``MPI_Cancel``) and a matched one that found no message has
     nothing to cancel: either way nothing is left pending, the next message goes
@@ -121,21 +168,24 @@ class Receive(Work):
     collective does.
     """
 
-    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer", "_as_bytes")
+    __slots__ = ("_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer", "_as_bytes", "_scratch")
 
     def __init__(
         self, req: MPI.Request | None, buf: ndarray, e: TypeEntry, backs: Any, owner: BaseBackend,
         peer: int | None, probe: tuple[MPI.Comm, int] | None, longer: ndarray | None = None,
-        as_bytes: bool = False,
+        as_bytes: bool = False, scratch: ndarray | None = None,
     ) -> None:  # fmt: skip
         post = None if not backs else then_write_back(None, backs)  # a staged array: write it back
-        keep = buf if longer is None else (buf, longer)
+        keep = buf if longer is None and scratch is None else (buf, longer, scratch)
         Work.__init__(
             self, [] if req is None else [req], post, keep, "recv", owner, owner.p2p_seq, owner.timeout_s, MPI.Status()
         )
         # a posted receive from this rank to itself on a library that truncates those silently:
         # the message lands in this array of one element more, and is copied into buf
         self._longer = longer
+        # the blocking recv's small route (_direct_p2p.c): the message went into these bytes, and is copied
+        # into buf only if it has buf's size (buf stays untouched otherwise)
+        self._scratch = scratch
         self._as_bytes = as_bytes  # posted as bytes (posted_receive)
         self._buf = buf
         self._entry = e
@@ -169,15 +219,21 @@ class Receive(Work):
         if count == buf.size:
             self._reqs = [msg.Irecv([buf, mpi])]
             return True
-        if count == MPI.UNDEFINED:  # not a whole number of elements
-            nbytes = status.Get_count(BYTE)
+        self.receive_elsewhere(msg, status.Get_count(BYTE))
+        return True
+
+    def receive_elsewhere(self, msg: MPI.Message, nbytes: int) -> None:
+        """Receive the matched message ``msg`` of ``nbytes``, not of the array's size, into a scratch buffer:
+        the caller's array is never written, and the Work fails with the size error once it has arrived."""
+        buf = self._buf
+        if nbytes % buf.itemsize:  # not a whole number of elements
             scratch, self._arrived = np.empty(nbytes, np.uint8), -2 - nbytes
             self._reqs = [msg.Irecv([scratch, BYTE])]
         else:
-            scratch = np.empty(count, buf.dtype)
-            self._reqs = [msg.Irecv([scratch, mpi])]
-        self._keep = (self._keep, scratch)  # the caller's array is never written
-        return True
+            scratch = np.empty(nbytes // buf.itemsize, buf.dtype)
+            self._arrived = scratch.size
+            self._reqs = [msg.Irecv([scratch, self._entry.mpi])]
+        self._keep = (self._keep, scratch)
 
     def _complete(self) -> None:
         """Fail with a ValueError if a message of another size arrived; else finish as any Work."""
@@ -188,6 +244,13 @@ class Receive(Work):
             status = self._status
             longer_message = status.Get_error() == ERR_TRUNCATE
             got = -3 if longer_message else arrived(status, self._entry.mpi, self._buf.itemsize, self._as_bytes)
+        scratch = self._scratch
+        if scratch is not None and got != -3:
+            nbytes = self._status.Get_count(BYTE)
+            if nbytes >= scratch.size:  # it filled the scratch buffer: it may have been longer (truncated silently)
+                got = -3
+            elif got == self._buf.size:
+                self._buf.reshape(-1).view(np.uint8)[:] = scratch[:nbytes]
         longer = self._longer
         if longer is not None and (got >= 0 or longer_message):  # not when the message was not whole elements
             size = self._buf.size
@@ -206,7 +269,7 @@ class Receive(Work):
     def _expired(self, limit: float) -> None:
         owner, op, seq = self._owner, self._op, self._seq
         if self._probe is not None:  # matched receive: no message has come, and nothing was posted
-            note = "No message had arrived, and nothing is left posted: the next message goes to the next receive."
+            note = _NOTHING_POSTED
             self._fail(owner.timeout_failure(op, seq, limit, note, settled=True))
             return
         if self._posted:
@@ -218,6 +281,8 @@ class Receive(Work):
                 ended = False
             if ended and self._status.Is_cancelled():
                 note = "The receive was cancelled: the next message goes to the next receive."
+                if self._scratch is not None:  # a blocking recv's: for its caller, nothing was ever posted
+                    note = _NOTHING_POSTED
                 self._fail(owner.timeout_failure(op, seq, limit, note, settled=True))
                 return
             if ended:  # its message arrived as the time ran out: it is received after all

@@ -504,7 +504,7 @@ def _p2p_latency(ctx: Context, c: int, persistent: bool = False) -> Run:
     Persistent: ``send_init``/``recv_init`` made once, each one-way message a ``start(); wait()``."""
     me = ctx.rank
     s, r, rs, rr = ctx.empty(c), ctx.empty(c), ctx.empty(c), ctx.empty(c)
-    dist, comm, bs, br = ctx.dist, ctx.comm, ctx.buf(rs), ctx.buf(rr)
+    dist, bs, br = ctx.dist, ctx.buf(rs), ctx.buf(rr)
     missing = ctx.raw_missing(reduces=False)
     if me > 1:
         return Run(mpidist=_noop, raw=None if missing else _noop, raw_missing=missing)
@@ -515,19 +515,14 @@ def _p2p_latency(ctx: Context, c: int, persistent: bool = False) -> Run:
             dist.send(s, peer)
             dist.recv(r, peer)
 
-        def raw_call() -> None:
-            comm.Send(bs, peer)
-            comm.Recv(br, peer)
-
     else:
 
         def mpidist_call() -> None:
             dist.recv(r, peer)
             dist.send(s, peer)
 
-        def raw_call() -> None:
-            comm.Recv(br, peer)
-            comm.Send(bs, peer)
+    raw_send, raw_recv = ctx.mpi("Send", bs, peer), ctx.mpi("Recv", br, peer)  # --raw nonblocking: Isend/Irecv + Test
+    raw_call = _ping_pong_raw(raw_send, raw_recv, me == 0)
 
     want = lambda: ctx.pattern(c, peer)  # noqa: E731
     run = Run(
@@ -540,6 +535,17 @@ def _p2p_latency(ctx: Context, c: int, persistent: bool = False) -> Run:
     if persistent:
         return _persistent(run, lambda: _ping_pong(dist.send_init(s, dst=peer), dist.recv_init(r, src=peer), me == 0))
     return run
+
+
+def _ping_pong_raw(send: Callable[[], Any], recv: Callable[[], Any], sends_first: bool) -> Callable[[], None]:
+    """One raw ping-pong iteration: ``send`` then ``recv``, or ``recv`` then ``send``."""
+    a, b = (send, recv) if sends_first else (recv, send)
+
+    def iteration() -> None:
+        a()
+        b()
+
+    return iteration
 
 
 def _ping_pong(send: Any, recv: Any, sends_first: bool) -> Callable[[], None]:

@@ -581,6 +581,12 @@ class DebugBackend(WrapperBackend):
     def recv_blocking(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> Any:
         return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv_blocking(buf, backs, peer, tag))
 
+    def send_and_wait(self, buf: np.ndarray, peer: int, tag: int) -> None:
+        self._trace_p2p("send", buf, peer, tag, lambda: self.inner.send_and_wait(buf, peer, tag))
+
+    def recv_and_wait(self, buf: np.ndarray, backs: Any, peer: int | None, tag: int) -> int:
+        return self._trace_p2p("recv", buf, peer, tag, lambda: self.inner.recv_and_wait(buf, backs, peer, tag))
+
     def _p2p_text(self, op: str, buf: np.ndarray, peer: int | None, tag: int) -> str:
         return f"{op} {_arr(buf)} peer={'any' if peer is None else self.pg.ranks[peer]} tag={tag}"
 
