@@ -76,6 +76,9 @@ _EMPTY = np.empty(0, np.uint8)
 
 #: the tag of destroy_process_group's agreement on the control communicator (see MPIBackend.agree_to_free)
 _FREE_TAG = 0x3B10
+#: how long destroy_process_group waits for an agreement of the shared-memory measuring still in flight (shm_choice.py)
+#: before it leaves the communicator allocated
+_SETTLE_S = 5.0
 
 
 def _vector(
@@ -211,7 +214,10 @@ class MPIBackend(BaseBackend):
     def pending(self) -> bool:
         self._orphans = [o for o in self._orphans if not _complete(o[0])]
         self._stuck = [s for s in self._stuck if not _finished(s[0])]  # a late rank may have completed one
-        return bool(self._stuck or self._orphans)
+        # an agreement of the measuring (shm_choice.py) issued and not yet applied: every rank issued it at the
+        # same call, so it completes as the others make progress (they are in destroy_process_group too, or soon)
+        settled = self._choice is None or self._choice.settle(min(self.timeout_s, _SETTLE_S))
+        return bool(self._stuck or self._orphans) or not settled
 
     def shutdown(self) -> None:
         """Free the communicator if this backend owns it and nothing may still use it.

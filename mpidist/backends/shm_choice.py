@@ -5,24 +5,38 @@ For each collective the shared-memory path serves (``shm.py``), each dtype and o
 of two from ``shm_tuning.SETUP_FLOOR`` up: 16-32 KiB, 32-64 KiB, ...), a group's first
 :data:`ROUND` calls alternate in blocks between the shared-memory path and MPI's own
 call, which give the same results: :data:`WARM` + 1 calls on one, then as many on the
-other, :data:`SAMPLES` blocks of each. Each rank times the last call of each block (issue
-to completion; an ``async_op`` call until a test sees it complete): the first calls of a
-block take the switch, where another rank may still be finishing the previous call on
-the other path (the source of a broadcast is done long before the others), so that
-the timed call is one of a run of calls on the same path. The next call of that class
-agrees with the group's other ranks on one small ``Iallreduce`` (MAX)
-of each rank's medians, within the group's timeout, and takes the path every rank then
+other, :data:`SAMPLES` blocks of each. Each rank times the last call of each block where
+that call is blocking, from its issue to its completion: the first calls of a block take
+the switch, where another rank may still be finishing the previous call on the other
+path (the source of a broadcast is done long before the others), so that the timed call
+is one of a run of calls on the same path. An ``async_op`` call is issued on the path
+under trial and returned at once, as any async call, and gives no timing (unless it is
+complete before it returns): its completion is seen only when the program tests or waits,
+which would time the program, and waiting for it would block the caller.
+
+The next call of the class (the ``ROUND + 1``-th) issues the agreement, one small
+nonblocking ``Iallreduce`` (MAX) of each rank's medians (0, which leaves the maximum to
+the others, for a path this rank has no timing of), and takes MPI's call, as do the
+next :data:`AGREE_LAG` - 1 calls; the call after them (the :data:`CHOSEN_AT` + 1-th)
+waits for the agreement, within the group's timeout, and takes the path every rank then
 computes: shared memory only where the slowest rank's median for it is at most
 :data:`MARGIN` times MPI's (:data:`PRIOR_MARGIN` where the ``--tune`` table says shared
-memory wins at that size: the table is a prior, not the last word). Later calls of the
-class take that path; after :data:`RECHECK_FIRST` of them (then twice as many each time,
-up to :data:`RECHECK_LAST`) the class is measured again.
+memory wins at that size: the table is a prior, not the last word), MPI's call where no
+rank timed one of the paths. So no async call waits for the other ranks, except that
+one, and it waits only for every rank to have issued the ``ROUND + 1``-th call of the
+class, :data:`AGREE_LAG` calls earlier: it can block only a rank that has more than
+:data:`AGREE_LAG` async calls of the class in flight, not waited for, ahead of a rank
+that waits for it before making its own. Later calls of the class take the chosen path;
+after :data:`RECHECK_FIRST` of them (then twice as many each time, up to
+:data:`RECHECK_LAST`) the class is measured again.
 
 Every rank counts the same calls (the sizes, dtypes and ops of a group's calls are the
-same on every rank), so every rank measures, agrees and switches at the same call: the
-path of a call never differs between ranks, whatever each rank's clock said. A rank that
-does not come to a measured call or to the agreement makes the others raise the group's
-timeout with the usual "who is where", as any collective would.
+same on every rank; whether a call is async never counts), so every rank measures, agrees
+and switches at the same call: the path of a call never differs between ranks, whatever
+each rank's clock said or which calls each made async. A rank that does not come to a
+measured call or to the agreement makes the others raise the group's timeout with the
+usual "who is where", as any collective would (in that call, or at the latest in the
+call that applies the agreement).
 
 ``MPIDIST_SHM=0`` and ``MPIDIST_SHM_THRESHOLDS`` (``shm_tuning.py``) skip all this for
 the collectives they name. ``MPIDIST_DEBUG=INFO`` logs each choice once per group and
@@ -31,9 +45,9 @@ class, with the timings behind it.
 Example (``mpiexec -n 2``, ``MPIDIST_DEBUG=INFO``)::
 
     >>> x = np.ones(1 << 20, np.float32)
-    >>> for _ in range(10):
+    >>> for _ in range(20):
     ...     dist.all_reduce(x)
-    all_reduce float32 sum, 4-8 MiB, group default: shared memory (slowest rank's median of 3 timed calls each: ...)
+    all_reduce float32 sum, 4-8 MiB, group default, rank 0: shared memory (slowest rank's median of up to 3 ...)
 """
 
 from __future__ import annotations
@@ -48,7 +62,10 @@ from mpi4py import MPI
 from ..work import poll
 from .shm_tuning import NEVER, Range
 
-__all__ = ["Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "WARM", "SAMPLES", "ROUND", "MARGIN", "PRIOR_MARGIN"]
+__all__ = [
+    "Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "WARM", "SAMPLES", "ROUND", "AGREE_LAG", "CHOSEN_AT", "MARGIN",
+    "PRIOR_MARGIN",
+]  # fmt: skip
 
 _log = logging.getLogger("mpidist")
 _perf = time.perf_counter
@@ -61,6 +78,11 @@ WARM = 1
 SAMPLES = 3
 #: the measured calls of a class: blocks of WARM + 1 calls, SAMPLES on each path
 ROUND = 2 * SAMPLES * (WARM + 1)
+#: calls of a class from the one that issues the agreement (the ROUND + 1-th, nonblocking) to the one that waits for
+#: it and takes the choice; those between take MPI's call
+AGREE_LAG = 4
+#: the calls of a round before the first that takes the agreed choice: the measured ones, then AGREE_LAG
+CHOSEN_AT = ROUND + AGREE_LAG
 #: shared memory is chosen where the slowest rank's median for it is at most this times MPI's: it must win
 #: clearly, since MPI's call is the one that is never worse than MPI
 MARGIN = 0.9
@@ -82,6 +104,14 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _median(t: list[float]) -> float:
+    """The median of a few timings, 0 for none (np.median's first call in a process costs 10-40 ms)."""
+    if not t:
+        return 0.0
+    s = sorted(t)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
 def _us(seconds: float) -> str:
     return "-" if seconds <= 0 else f"{seconds * 1e6:.1f} us"
 
@@ -89,7 +119,7 @@ def _us(seconds: float) -> str:
 class Route:
     """One size class of one collective (and dtype and op): its choice, or where its measuring stands."""
 
-    __slots__ = ("fn", "label", "bits", "prior", "way", "left", "interval", "calls", "times", "told")
+    __slots__ = ("fn", "label", "bits", "prior", "way", "left", "interval", "calls", "times", "told", "agreement")
 
     def __init__(self, fn: str, label: str, bits: int, prior: bool) -> None:
         self.fn, self.label, self.bits = fn, label, bits
@@ -100,42 +130,25 @@ class Route:
         self.calls = 0  # measured calls issued in this round
         self.times: tuple[list[float], list[float]] = ([], [])  # this rank's timings: MPI's call, shared memory
         self.told = False  # the choice was logged
+        self.agreement: tuple[Any, np.ndarray, np.ndarray] | None = None  # the Iallreduce in flight and its buffers
 
     def add(self, shared: bool, seconds: float) -> None:
-        """A timing of one measured call (from the thread that saw it complete)."""
+        """A timing of one measured call."""
         self.times[shared].append(seconds * skew[shared])
 
     def medians(self) -> tuple[float, float]:
         """This rank's medians (0 where a path has no timing: the other ranks' then decide)."""
-        return tuple(float(np.median(t)) if t else 0.0 for t in self.times)  # type: ignore[return-value]
+        return _median(self.times[0]), _median(self.times[1])
 
     def sizes(self) -> str:
         return f"{_size(1 << (self.bits - 1))}-{_size(1 << self.bits)}"
 
     def describe(self) -> str:
         if self.way == TRIAL:
+            if self.calls > ROUND:
+                return f"measuring (agreeing: the choice from call {CHOSEN_AT + 1} of the round, now {self.calls})"
             return f"measuring ({self.calls} of {ROUND} calls)"
         return "shared memory" if self.way == SHARED else "MPI"
-
-
-class _Timed:
-    """A request (MPI's, or a ``shm.SharedOp``) whose first successful test records the call's time."""
-
-    __slots__ = ("req", "route", "shared", "start")
-
-    def __init__(self, req: Any, route: Route, shared: bool, start: float) -> None:
-        self.req, self.route, self.shared, self.start = req, route, shared, start
-
-    def Test(self, *args: Any) -> bool:  # noqa: N802 - MPI's request method, which Work and poll call
-        if not self.req.Test(*args):
-            return False
-        if self.route is not None:
-            self.route.add(self.shared, _perf() - self.start)
-            self.route = None
-        return True
-
-    def Cancel(self) -> None:  # noqa: N802 - as MPI's request
-        self.req.Cancel()
 
 
 class Chooser:
@@ -163,7 +176,8 @@ class Chooser:
         """What this call of ``fn`` on ``nbytes`` takes: MPI_CALL, SHARED, or TRIAL (then ``pending`` says which
         route and path; the caller runs the call again as that path, through :meth:`measure`).
 
-        Every rank calls it at the same call with the same arguments and gets the same answer.
+        Every rank calls it at the same call with the same arguments and gets the same answer (whether the call
+        is async is not among them). Only the call that applies the agreement may wait for the others.
         """
         bits = nbytes.bit_length()
         r = table[bits] or self._route(table, fn, label, bits)
@@ -177,14 +191,21 @@ class Chooser:
             self.pending = (r, not block & 1, at == WARM)  # shared memory first, then MPI, ...; the last one timed
             r.calls += 1
             return TRIAL
+        if r.calls < CHOSEN_AT:  # the agreement is in flight: MPI's call meanwhile
+            if r.calls == ROUND:
+                self._ask(r)
+            r.calls += 1
+            return MPI_CALL
         self._decide(r)
         return r.way
 
     def measure(self, again: Any, async_op: bool) -> Any:
-        """Run the measured call ``pending`` names: ``again(True)`` issues it (async) as that path; time it.
+        """Run the measured call ``pending`` names: ``again(True)`` issues it (async) as that path.
 
-        A blocking call waits here (within the group's timeout, as any call); an ``async_op`` one
-        returns its Work, whose first successful test records the time.
+        A blocking call waits here (within the group's timeout, as any call) and is timed from its
+        issue to its completion; an ``async_op`` one returns its Work at once and gives no timing
+        (it is timed only where it completed before returning): how long the program takes to test
+        or wait for it says nothing of the path, and waiting here would block its caller.
         """
         r, shared, timed = self.pending  # type: ignore[misc]
         self.trying = shared
@@ -197,26 +218,35 @@ class Chooser:
             if timed:
                 r.add(shared, _perf() - start)
             return None
-        if timed:
-            work._reqs = [_Timed(work._reqs[0], r, shared, start)]
         if async_op:
             return work
         work.wait()
+        if timed:
+            r.add(shared, _perf() - start)
         return None
 
-    def _decide(self, r: Route) -> None:
-        """Agree with the group's other ranks on the slowest rank's medians; choose; log it."""
+    def _ask(self, r: Route) -> None:
+        """Issue the agreement of ``r`` (nonblocking): the MAX over the ranks of their medians and of their priors'
+        objections; :meth:`_decide` waits for it, :data:`AGREE_LAG` calls of the class later."""
         b = self.backend
-        fn = r.fn
         mine = np.array([*r.medians(), 0.0 if r.prior else 1.0], np.float64)
         agreed = np.zeros_like(mine)
-        activity = (b.group_name, fn, b.seq)
         try:
             req = b.comm.Iallreduce(mine, agreed, MPI.MAX)
         except MPI.Exception as exc:
-            raise b.backend_error(fn, b.seq, exc) from exc
+            raise b.backend_error(r.fn, b.seq, exc) from exc
+        r.agreement = (req, mine, agreed)
+
+    def _decide(self, r: Route) -> None:
+        """Wait for the agreement on the slowest rank's medians (within the group's timeout); choose; log it."""
+        b = self.backend
+        fn = r.fn
+        req, mine, agreed = r.agreement  # type: ignore[misc]
+        r.agreement = None
+        activity = (b.group_name, fn, b.seq)
         if not req.Test() and not poll(req.Test, b.timeout_s, b.spins, activity):
             b.keep_stuck([req], (mine, agreed))
+            r.way, r.left = MPI_CALL, RECHECK_LAST  # the group is unusable now; no later call waits for it again
             raise b.timeout_failure(fn, b.seq, b.timeout_s)
         t_mpi, t_shm, no_prior = (float(v) for v in agreed)
         margin = MARGIN if no_prior else PRIOR_MARGIN
@@ -229,14 +259,26 @@ class Chooser:
             r.told = True
             here_mpi, here_shm = r.medians()
             mine_way = "shared memory" if 0 < here_shm <= margin * here_mpi else "MPI"
+            timed = ", ".join(f"{len(t)}" for t in r.times)
             _log.info(
-                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of %d timed calls each: MPI %s, shared "
-                "memory %s; here: MPI %s, shared memory %s, alone it would take %s; shared memory needs at most "
-                "%.2fx MPI's time%s); measured again after %d calls",
+                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of up to %d timed calls each: MPI %s, shared "
+                "memory %s; here: MPI %s, shared memory %s (of %s blocking calls timed), alone it would take %s; "
+                "shared memory needs at most %.2fx MPI's time%s); measured again after %d calls",
                 f"{fn} {r.label}".strip(), r.sizes(), b.group_name or "default", b.rank, r.describe(),
                 " (changed)" if changed else "", SAMPLES, _us(t_mpi), _us(t_shm), _us(here_mpi), _us(here_shm),
-                mine_way, margin, ", the --tune table's prior" if not no_prior else "", r.left,
+                timed, mine_way, margin, ", the --tune table's prior" if not no_prior else "", r.left,
             )  # fmt: skip
+
+    def settle(self, limit_s: float) -> bool:
+        """Whether every agreement this rank has issued is complete, waiting for them up to ``limit_s`` (before the
+        group's communicator is freed: an Iallreduce in flight must not be)."""
+        b = self.backend
+        for r in self.routes:
+            if r.agreement is not None:
+                req = r.agreement[0]
+                if not req.Test() and not poll(req.Test, limit_s, b.spins):
+                    return False
+        return True
 
     def may_share(self, table: list[Route | None], nbytes: int) -> bool:
         """Whether calls of this class may take shared memory (not yet measured, or chosen); counts nothing."""

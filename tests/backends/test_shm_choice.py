@@ -2,8 +2,9 @@
 
 A group's first calls of each collective and size class alternate between the two paths; then the
 ranks agree on one. Results must be right on every call, during and after measuring; ranks whose
-clocks disagree must still take the same path; a rank that stops during the measuring calls gives
-the others the group's timeout; MPIDIST_SHM_THRESHOLDS skips the measuring; INFO logs each choice.
+clocks disagree must still take the same path; an async call never waits for the other ranks, at any
+call of the measuring; a rank that stops during the measuring calls gives the others the group's
+timeout; MPIDIST_SHM_THRESHOLDS skips the measuring; INFO logs each choice.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from helpers import Checks, fail_together, meet_outside_mpidist, timeout_head
 
 RANK = MPI.COMM_WORLD.Get_rank()
 SIZE = MPI.COMM_WORLD.Get_size()
-#: the calls of one class before the choice: every measured call, then the one that agrees
-MEASURED = shm_choice.ROUND
+#: the calls of one class before the choice: every measured call, then the one that issues the agreement and those
+#: until the one that applies it
+MEASURED = shm_choice.CHOSEN_AT
 #: elements of float32 in the arrays: 64 KiB, in one size class, cheap on either path
 N = (64 << 10) // 4
 
@@ -151,10 +153,52 @@ def test_the_environment_override_skips_measuring():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("calls_first", [3, MEASURED], ids=["measured-call", "agreement"])
+@pytest.mark.timeout(60)
+def test_an_async_call_waits_for_no_other_rank(monkeypatch):
+    """Rank 0 makes an async all_reduce, then sends rank 1 the message rank 1 waits for before making its own
+    (blocking) call, then waits for its Work: legal in MPI (and with MPIDIST_SHM=0), so on every call of the class:
+    the measured ones, the one that issues the agreement, the one that applies it, those after the choice, and a
+    second round of measuring (RECHECK_FIRST made short). Results against numpy on every call."""
+    recheck = 4
+    monkeypatch.setattr(shm_choice, "RECHECK_FIRST", recheck)
+    g = group_under(dist, {}, timeout=20.0)
+    c = Checks()
+    calls = (MEASURED + 1) + (recheck - 1) + (MEASURED + 1) + 2  # a round, its choice, another round, its choice
+    problems: list[str] = []
+    for k in range(calls):
+        x = np.full(N, RANK + k, np.float32)
+        y = np.full(4, k, np.int64) if RANK == 0 else np.full(4, -1, np.int64)
+        try:
+            if RANK == 0:
+                w = dist.all_reduce(x, group=g, async_op=True)
+                dist.send(y, dst=1, group=g)
+                w.wait()
+            elif RANK == 1:
+                dist.recv(y, src=0, group=g)
+                dist.all_reduce(x, group=g)
+            else:
+                dist.all_reduce(x, group=g)
+        except DistBackendError as exc:
+            problems.append(f"call {k}: {exc}")
+            break
+        c.equal(f"all_reduce {k}", x, np.full(N, SIZE * k + SIZE * (SIZE - 1) // 2, np.float32))
+        if RANK == 1:
+            c.equal(f"the message before all_reduce {k}", y, np.full(4, k, np.int64))
+    fail_together(problems)
+    (choice,) = [way for fn, _, _, way in backend_of(g).shared_memory_choices() if fn == "all_reduce"]
+    c.true(f"all_reduce still measuring: {choice}", not choice.startswith("measuring"))
+    c.identical("the choice", np.frombuffer(choice.encode().ljust(100), np.uint8))
+    c.done()
+    dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(
+    "calls_first", [3, shm_choice.ROUND, MEASURED], ids=["measured-call", "agreement-issued", "agreement-applied"]
+)
 def test_a_rank_stopped_during_measuring_gives_the_timeout(calls_first):
-    """Rank 1 makes ``calls_first`` all_reduce calls and stays away: the others, in the next measured call or in
-    the agreement after the measured calls, raise the group's timeout naming rank 1."""
+    """Rank 1 makes ``calls_first`` all_reduce calls and stays away: the others, in the next measured call, in the
+    call that issues the agreement or in the one that applies it, raise the group's timeout naming rank 1."""
     g = group_under(dist, {}, timeout=1.0)
     x = np.ones(N, np.float32)
     for _ in range(calls_first):
@@ -178,34 +222,79 @@ def test_a_rank_stopped_during_measuring_gives_the_timeout(calls_first):
     fail_together(problems)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_agreement_of_a_rank_that_stayed_away_times_out_where_it_is_applied():
+    """Rank 1 makes the measured calls and stays away: the others' next AGREE_LAG calls, async, return at once (the
+    first issues the agreement); the call after them waits for the agreement and raises the group's timeout naming
+    rank 1."""
+    g = group_under(dist, {}, timeout=1.0)
+    x = np.ones(N, np.float32)
+    for _ in range(shm_choice.ROUND):
+        dist.all_reduce(x, group=g)
+    problems: list[str] = []
+    if RANK != 1:
+        works = []
+        start = time.monotonic()
+        for _ in range(shm_choice.AGREE_LAG):
+            works.append(dist.all_reduce(np.ones(N, np.float32), group=g, async_op=True))
+        if time.monotonic() - start > 0.5:
+            problems.append(f"{shm_choice.AGREE_LAG} async calls took {time.monotonic() - start:.2f} s")
+        seq = backend_of(g).calls_issued() + 1
+        start = time.monotonic()
+        try:
+            dist.all_reduce(x, group=g, async_op=True)
+            problems.append("the call that applies the agreement, with rank 1 away, returned")
+        except DistBackendError as exc:
+            for pattern in (timeout_head("all_reduce", seq, g), r"Rank 1: no answer"):
+                if not re.search(pattern, str(exc)):
+                    problems.append(f"message {str(exc)!r} does not match {pattern!r}")
+            if time.monotonic() - start > 3.0:
+                problems.append(f"the error came after {time.monotonic() - start:.2f} s")
+        del works  # never complete: the group keeps their buffers (and is not freed)
+    meet_outside_mpidist()
+    dist.barrier()
+    dist.destroy_process_group(g)
+    fail_together(problems)
+
+
 class _Alone:
     """What a Chooser reads of its backend, on MPI_COMM_SELF: the agreement is this process's own numbers."""
 
     comm, timeout_s, spins, group_name, rank, seq = MPI.COMM_SELF, 5.0, 16, "alone", 0, 1
 
 
-def _choose(prior: dict, mpi_s: float, shm_s: float, nbytes: int = 64 << 10) -> tuple[int, shm_choice.Route]:
-    """Step a Chooser through one round of measured calls with these timings; return what the next call takes."""
+def _choose(
+    prior: dict, mpi_s: float | None, shm_s: float | None, nbytes: int = 64 << 10
+) -> tuple[int, shm_choice.Route]:
+    """Step a Chooser through one round of measured calls with these timings (None: that path's calls were async,
+    untimed), then the calls while the agreement is in flight; return what the next call takes."""
     ch = shm_choice.Chooser(_Alone(), prior)
     table = [None] * shm_choice.CLASSES
     for _ in range(shm_choice.ROUND):
         assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.TRIAL
         route, shared, timed = ch.pending
-        if timed:
-            route.add(shared, shm_s if shared else mpi_s)
+        seconds = shm_s if shared else mpi_s
+        if timed and seconds is not None:
+            route.add(shared, seconds)
+    for _ in range(shm_choice.AGREE_LAG):
+        assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.MPI_CALL
+    assert route.agreement is not None
     return ch.next(table, "all_reduce", "float32 sum", nbytes), route
 
 
 @pytest.mark.one_rank
 def test_the_margin_the_prior_and_the_checks_again():
-    """Shared memory only where it wins by the margin (by any amount where the --tune prior says it wins); the
-    choice holds RECHECK_FIRST calls, then the class is measured again; other classes are their own."""
+    """Shared memory only where it wins by the margin (by any amount where the --tune prior says it wins), MPI's call
+    where a path has no timing; the agreement is applied AGREE_LAG calls after it is issued; the choice holds
+    RECHECK_FIRST calls, then the class is measured again; other classes are their own."""
     never = shm_tuning.NEVER
     assert _choose({}, 1.0, 0.85)[0] == shm_choice.SHARED
     assert _choose({}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # not clearly faster: MPI's call
     assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 0.95)[0] == shm_choice.SHARED  # the prior
     assert _choose({"all_reduce": (1 << 20, never)}, 1.0, 0.95)[0] == shm_choice.MPI_CALL  # a prior elsewhere
     assert _choose({"all_reduce": (16 << 10, never)}, 1.0, 1.05)[0] == shm_choice.MPI_CALL  # not the last word
+    assert _choose({}, None, None)[0] == shm_choice.MPI_CALL  # no timing at all (every call async): MPI's call
+    assert _choose({"all_reduce": (16 << 10, never)}, None, 0.5)[0] == shm_choice.MPI_CALL  # only one path timed
     way, route = _choose({}, 1.0, 0.5)
     ch = shm_choice.Chooser(_Alone(), {})
     table = [None] * shm_choice.CLASSES
