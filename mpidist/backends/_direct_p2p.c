@@ -10,7 +10,7 @@
  *                                          posts it): the request handle.
  * recv(buf, peer, tag, spins)              the blocking recv, which must never write a message of another
  *                                          size into `buf` (docs/sharp-bits.md). Two routes, by size:
- *   - small (at most SCRATCH_MAX bytes): MPI_Irecv into this communicator's scratch buffer of SCRATCH_CAP
+ *   - small (at most scratch_max bytes, bind_p2p's): MPI_Irecv into this communicator's scratch buffer of SCRATCH_CAP
  *     bytes, tested `spins` times; a message of exactly buf's size is copied into buf (a few ns at these
  *     sizes), any other leaves buf untouched, and the size check is MPI_Get_count on the status (a
  *     message longer than the scratch buffer ends with MPI_ERR_TRUNCATE). No probe: MPI matches the
@@ -30,9 +30,9 @@
  *     (source, nbytes, msg)  large: a message of nbytes matched (an MPI_Message handle), not received.
  */
 
-/* the blocking recv's routes: through the scratch buffer up to SCRATCH_MAX bytes; the buffer holds more,
- * so that a slightly longer message still says its size */
-#define SCRATCH_MAX 16384
+/* the blocking recv's routes: through the scratch buffer up to P.scratch_max bytes (bind_p2p's argument:
+ * 16 KiB, or 0 where a truncated receive is unsafe); the buffer holds more, so that a slightly longer
+ * message still says its size */
 #define SCRATCH_CAP 65536
 
 static struct {
@@ -41,6 +41,7 @@ static struct {
     H byte;           /* MPI_BYTE */
     int err_truncate; /* the error class MPI_ERR_TRUNCATE */
     int source_at;    /* the byte offset of MPI_SOURCE in an MPI_Status */
+    int scratch_max;  /* the largest blocking recv (bytes) through the scratch buffer */
 } P;
 
 /* Each call once per handle ABI (T: the C type of MPI handles, MPI_Message included) */
@@ -204,20 +205,27 @@ static PyObject *direct_recv(Direct *self, PyObject *const *args, Py_ssize_t nar
     if (!P.bound || nargs != 4 || !bytes_of(args[0], 1, &b, &n) || !small_int(args[1], &peer) ||
         !small_int(args[2], &tag) || !small_int(args[3], &spins))
         return fallback(self, "recv", args, nargs);
-    if (n <= SCRATCH_MAX) return recv_small(self, b, n, peer, tag, spins);
+    if (n <= P.scratch_max) return recv_small(self, b, n, peer, tag, spins);
     return recv_large(self, b, n, peer, tag, spins);
 }
 
 #define P2P_METHODS M(send), M(irecv), M(recv)
 
-/* bind_p2p(library, byte, err_truncate, source_at): find the point-to-point functions in `library` (after
- * bind); `byte` is mpi4py.MPI.BYTE; `source_at` the byte offset of MPI_SOURCE in an MPI_Status (direct.py
- * finds it with mpi4py's Status.Set_source). Returns None, or raises OSError naming what is missing. */
+/* bind_p2p(library, byte, err_truncate, source_at, scratch_max): find the point-to-point functions in
+ * `library` (after bind); `byte` is mpi4py.MPI.BYTE; `source_at` the byte offset of MPI_SOURCE in an
+ * MPI_Status (direct.py finds it with mpi4py's Status.Set_source); `scratch_max` the largest blocking recv
+ * (bytes) that takes the scratch route (0: none, every recv probes). Returns None, or raises OSError
+ * naming what is missing. */
 static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     const char *library;
     PyObject *byte;
-    int err_truncate, source_at;
-    if (!PyArg_ParseTuple(args, "sOii:bind_p2p", &library, &byte, &err_truncate, &source_at)) return NULL;
+    int err_truncate, source_at, scratch_max;
+    if (!PyArg_ParseTuple(args, "sOiii:bind_p2p", &library, &byte, &err_truncate, &source_at, &scratch_max))
+        return NULL;
+    if (scratch_max < 0 || scratch_max > SCRATCH_CAP / 2) {
+        PyErr_SetString(PyExc_ValueError, "bind_p2p: scratch_max must be in 0..SCRATCH_CAP/2");
+        return NULL;
+    }
     if (!S.bound) {
         PyErr_SetString(PyExc_RuntimeError, "bind_p2p: bind() the MPI library first");
         return NULL;
@@ -245,9 +253,10 @@ static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     P.byte = bh;
     P.err_truncate = err_truncate;
     P.source_at = source_at;
+    P.scratch_max = scratch_max;
     P.bound = 1;
     Py_RETURN_NONE;
 }
 
 #define P2P_MODULE_METHODS \
-    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at)"}
+    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at, scratch_max)"}
