@@ -37,17 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 R = dist.ReduceOp
 
 
-@pytest.fixture(scope="module")
-def two_groups():
-    """(a group calling MPI from C, one calling it through mpi4py), over every rank."""
-    direct = dist.new_group()
-    with mpi4py_calls():
-        through = dist.new_group()
-    yield direct, through
-    dist.destroy_process_group(direct)
-    dist.destroy_process_group(through)
-
-
 def _built(module: str) -> bool:
     """Whether the C extension ``module`` (a name under mpidist) was built: installing without a compiler is valid."""
     return importlib.util.find_spec(f"mpidist.{module}") is not None

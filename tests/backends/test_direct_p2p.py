@@ -20,7 +20,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist.backends import direct as direct_module
 from mpidist.errors import DistBackendError
-from mpidist.testing import mpi4py_calls, mpi_calls
+from mpidist.testing import mpi_calls
 
 from helpers import Checks, rank_input
 
@@ -28,17 +28,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.mpi(min_size=2)]
 
 #: the sizes of the blocking recv's routes: through the scratch buffer up to 16 KiB, probed above
 SCRATCH_MAX = direct_module.SCRATCH_MAX  # the size classes the test crosses (on Open MPI every recv probes)
-
-
-@pytest.fixture(scope="module")
-def two_groups():
-    """(a group calling MPI from C where it is built, one calling it through mpi4py), over every rank."""
-    direct = dist.new_group()
-    with mpi4py_calls():
-        through = dist.new_group()
-    yield direct, through
-    dist.destroy_process_group(direct)
-    dist.destroy_process_group(through)
 
 
 def _pair(rank: int) -> int | None:
