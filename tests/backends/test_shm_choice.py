@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -37,6 +38,21 @@ pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(bool(shm.shm_status()), reason=f"no shared-memory path here: {shm.shm_status()}"),
 ]
+
+
+def _expect_rank_1_timeout(problems: list[str], g: Any, call: Callable[[], Any], what: str) -> None:
+    """``call()`` (an all_reduce on ``g``) must raise the group's timeout within 3 s, naming rank 1 as not answering."""
+    seq = backend_of(g).calls_issued() + 1
+    start = time.monotonic()
+    try:
+        call()
+        problems.append(f"{what} returned")
+    except DistBackendError as exc:
+        for pattern in (timeout_head("all_reduce", seq, g), r"Rank 1: no answer"):
+            if not re.search(pattern, str(exc)):
+                problems.append(f"message {str(exc)!r} does not match {pattern!r}")
+        if time.monotonic() - start > 3.0:
+            problems.append(f"the error came after {time.monotonic() - start:.2f} s")
 
 
 def _chunks(g) -> int:
@@ -205,17 +221,7 @@ def test_a_rank_stopped_during_measuring_gives_the_timeout(calls_first):
         dist.all_reduce(x, group=g)
     problems: list[str] = []
     if RANK != 1:
-        seq = backend_of(g).calls_issued() + 1
-        start = time.monotonic()
-        try:
-            dist.all_reduce(x, group=g)
-            problems.append("all_reduce with rank 1 away completed")
-        except DistBackendError as exc:
-            for pattern in (timeout_head("all_reduce", seq, g), r"Rank 1: no answer"):
-                if not re.search(pattern, str(exc)):
-                    problems.append(f"message {str(exc)!r} does not match {pattern!r}")
-            if time.monotonic() - start > 3.0:
-                problems.append(f"the error came after {time.monotonic() - start:.2f} s")
+        _expect_rank_1_timeout(problems, g, lambda: dist.all_reduce(x, group=g), "all_reduce with rank 1 away")
     meet_outside_mpidist()
     dist.barrier()
     dist.destroy_process_group(g)
@@ -239,17 +245,8 @@ def test_the_agreement_of_a_rank_that_stayed_away_times_out_where_it_is_applied(
             works.append(dist.all_reduce(np.ones(N, np.float32), group=g, async_op=True))
         if time.monotonic() - start > 0.5:
             problems.append(f"{shm_choice.AGREE_LAG} async calls took {time.monotonic() - start:.2f} s")
-        seq = backend_of(g).calls_issued() + 1
-        start = time.monotonic()
-        try:
-            dist.all_reduce(x, group=g, async_op=True)
-            problems.append("the call that applies the agreement, with rank 1 away, returned")
-        except DistBackendError as exc:
-            for pattern in (timeout_head("all_reduce", seq, g), r"Rank 1: no answer"):
-                if not re.search(pattern, str(exc)):
-                    problems.append(f"message {str(exc)!r} does not match {pattern!r}")
-            if time.monotonic() - start > 3.0:
-                problems.append(f"the error came after {time.monotonic() - start:.2f} s")
+        applying = lambda: dist.all_reduce(x, group=g, async_op=True)  # noqa: E731
+        _expect_rank_1_timeout(problems, g, applying, "the call that applies the agreement, with rank 1 away,")
         del works  # never complete: the group keeps their buffers (and is not freed)
     meet_outside_mpidist()
     dist.barrier()
