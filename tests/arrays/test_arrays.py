@@ -16,6 +16,7 @@ from mpi4py import MPI
 import mpidist as dist
 from mpidist._world import world
 from mpidist.arrays import host as _arrays
+from mpidist.backends.mpi_types import LARGE_COUNTS
 from mpidist.errors import DistError
 
 from helpers import check_raises, fail_together
@@ -1015,6 +1016,12 @@ def test_non_contiguous_arrays_are_staged_once(rank, world_size):
     outs = [grid[:, r] for r in range(world_size)]  # one non-contiguous column per rank (and a spare)
     with CopyCounter() as c:
         dist.all_gather(outs, np.full(4, rank, np.int64))
-    assert (c.copies, c.bytes) == (world_size, world_size * 4 * 8)
+    staged = (world_size, world_size * 4 * 8)  # each column once
+    # An MPI-3 library (Open MPI 5: no large counts) cannot address arrays more than 2 GiB apart in one call, so the
+    # list collectives then put the whole message through one buffer (mpi.py's _vector, one copy more). The staged
+    # columns are fresh arrays: where they landed far apart (CI saw it on 2 of 4 ranks, late in the suite), that
+    # copy is made and counted.
+    allowed = [staged] if LARGE_COUNTS else [staged, (world_size + 1, 2 * staged[1])]
+    assert (c.copies, c.bytes) in allowed, ((c.copies, c.bytes), allowed)
     np.testing.assert_array_equal(grid[:, :world_size], np.tile(np.arange(world_size), (4, 1)))
     np.testing.assert_array_equal(grid[:, world_size], np.full(4, -1))
