@@ -35,6 +35,8 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <limits.h>
+#include <sched.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -45,9 +47,9 @@ typedef void *fn_t; /* a function found by dlsym (POSIX: converts to a function 
 
 /* the MPI functions, by name, as found in the library mpi4py uses */
 static const char *NAMES[] = {"MPI_Iallreduce", "MPI_Ireduce", "MPI_Ibcast", "MPI_Iallgather",
-                              "MPI_Ireduce_scatter_block", "MPI_Ialltoall",
+                              "MPI_Ireduce_scatter_block", "MPI_Ialltoall", "MPI_Ibarrier",
                               "MPI_Test", NULL};
-enum { FN_IALLREDUCE, FN_IREDUCE, FN_IBCAST, FN_IALLGATHER, FN_IRSB, FN_IALLTOALL, FN_TEST, FN_COUNT };
+enum { FN_IALLREDUCE, FN_IREDUCE, FN_IBCAST, FN_IALLGATHER, FN_IRSB, FN_IALLTOALL, FN_IBARRIER, FN_TEST, FN_COUNT };
 
 static struct {
     int bound;
@@ -90,6 +92,12 @@ typedef Py_intptr_t H; /* a handle of either ABI, widened */
     static int bcast_##SUF(void *b, int n, H dt, int root, H comm, H *req) {                               \
         T q;                                                                                               \
         int rc = ((int (*)(void *, int, T, int, T, T *))S.fn[FN_IBCAST])(b, n, (T)dt, root, (T)comm, &q);   \
+        *req = (H)q;                                                                                       \
+        return rc;                                                                                         \
+    }                                                                                                      \
+    static int barrier_##SUF(H comm, H *req) {                                                             \
+        T q;                                                                                               \
+        int rc = ((int (*)(T, T *))S.fn[FN_IBARRIER])((T)comm, &q);                                        \
         *req = (H)q;                                                                                       \
         return rc;                                                                                         \
     }                                                                                                      \
@@ -188,15 +196,42 @@ static PyObject *finish(int rc, int done, H req) {
     return PyLong_FromSize_t((size_t)req); /* as mpi4py shows handles: the unsigned pointer-width value */
 }
 
-/* test `req` up to `spins` times (GIL released); `status` (NULL: ignored) gets the completed one's MPI_Status */
+/* How long (ns) the tests go on with a yield of the CPU between them, after the spins, where `spins` < 0 (more
+ * ranks than cores); the clock is read every YIELD_BATCH tests. Measured with the MPICH wheel on 2 cores, 8-byte
+ * all_reduce over raw MPI's blocking call (one launch each): 1 ms, 16 ranks 1.40x, 32 ranks 2.21x; 10 ms, 1.30x
+ * and 1.28x. The rank hands back to Python, which tests from there on, after this long: its timeout, its stall
+ * beats and Ctrl-C are at most this late. */
+#define YIELDING_NS 10000000LL
+#define YIELD_BATCH 16
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* test `req` up to `spins` times (GIL released); `status` (NULL: ignored) gets the completed one's MPI_Status.
+ * A negative `spins` (a node with more ranks than cores) tests -spins times flat out, then up to
+ * YIELDING_TESTS times with sched_yield() between: the ranks waited for get the core at once, and a
+ * test costs no Python. It stays bounded (a few ms at most), so the caller's timeout still holds. */
 static int spin(H *req, int spins, int *done, void *status) {
-    int rc = 0;
+    int rc = 0, yielding = spins < 0;
     *done = 0;
+    if (yielding) spins = -spins;
     while (spins-- > 0 && !*done) {
         rc = CALL(test, req, done, status);
-        if (rc != 0) break;
+        if (rc != 0) return rc;
     }
-    return rc;
+    if (!yielding || *done) return rc;
+    long long end = now_ns() + YIELDING_NS;
+    for (;;) {
+        for (int k = 0; k < YIELD_BATCH; k++) {
+            sched_yield();
+            rc = CALL(test, req, done, status);
+            if (rc != 0 || *done) return rc;
+        }
+        if (now_ns() > end) return rc;
+    }
 }
 
 #define RUN(call)                       \
@@ -242,6 +277,13 @@ static PyObject *direct_bcast(Direct *self, PyObject *const *args, Py_ssize_t na
         !small_int(args[2], &root) || !small_int(args[3], &spins))
         return fallback(self, "bcast", args, nargs);
     RUN(CALL(bcast, b, n, dt, root, self->comm, &req))
+}
+
+/* barrier(spins) */
+static PyObject *direct_barrier(Direct *self, PyObject *const *args, Py_ssize_t nargs) {
+    int spins;
+    if (nargs != 1 || !small_int(args[0], &spins)) return fallback(self, "barrier", args, nargs);
+    RUN(CALL(barrier, self->comm, &req))
 }
 
 /* allgather(out, inp or None for in place, datatype, spins): `out` holds size blocks of inp's count */
@@ -326,7 +368,7 @@ static void direct_dealloc(Direct *self) {
 
 #define M(name) {#name, (PyCFunction)(void (*)(void))direct_##name, METH_FASTCALL, NULL}
 static PyMethodDef direct_methods[] = {M(allreduce), M(reduce), M(bcast), M(allgather), M(alltoall),
-                                     M(reduce_scatter_block), M(reduce_scatter), P2P_METHODS, {NULL}};
+                                     M(reduce_scatter_block), M(reduce_scatter), M(barrier), P2P_METHODS, {NULL}};
 
 static PyTypeObject DirectType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mpidist.backends._direct.Direct",

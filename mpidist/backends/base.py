@@ -149,6 +149,9 @@ class BaseBackend(ABC):
         self._stuck: list[Any] = []
         # tests before a wait yields the CPU (see work.poll): long if this node has a core per rank
         self.spins = SPINS_OVERSUBSCRIBED if world.init_info.oversubscribed else SPINS_IDLE_CORES
+        # ... and what the C calls take (``_direct.c``'s spin): negative with more ranks than cores, where
+        # they go on testing with a yield between tests, without Python in the loop
+        self.c_spins = -self.spins if world.init_info.oversubscribed else self.spins
 
     # -- errors shared by every backend ------------------------------------------------
     def describe(self) -> str:

@@ -46,7 +46,7 @@ IN_PLACE = MPI.IN_PLACE
 class MPI4pyCalls:
     """The hot collectives through mpi4py: each returns the ``MPI.Request`` of the posted operation."""
 
-    __slots__ = ("_rank", "_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs", "_isend")
+    __slots__ = ("_rank", "_iallreduce", "_ireduce", "_ibcast", "_iallgather", "_ialltoall", "_irsb", "_irs", "_isend", "_ibarrier")
 
     def __init__(self, comm: MPI.Comm) -> None:
         self._rank = comm.Get_rank()
@@ -58,6 +58,7 @@ class MPI4pyCalls:
         self._irsb = comm.Ireduce_scatter_block
         self._irs = comm.Ireduce_scatter
         self._isend = comm.Isend
+        self._ibarrier = comm.Ibarrier
 
     def allreduce(self, buf: Any, dt: MPI.Datatype, op: MPI.Op, spins: int) -> MPI.Request:
         """In place."""
@@ -84,6 +85,9 @@ class MPI4pyCalls:
     def reduce_scatter(self, out: Any, inp: Any, dt: MPI.Datatype, op: MPI.Op, spins: int) -> MPI.Request:
         """The vector call with equal counts (faster than the block call for large inputs on MPICH)."""
         return self._irs([inp, dt], [out, dt], None, op)
+
+    def barrier(self, spins: int) -> MPI.Request:
+        return self._ibarrier()
 
     # -- point-to-point (the contracts of _direct_p2p.c) --
     def send(self, buf: Any, dt: MPI.Datatype, peer: int, tag: int, spins: int) -> MPI.Request:

@@ -491,7 +491,7 @@ class MPIBackend(BaseBackend):
                 lambda s, r, o: comm.Iallreduce(s, r, o), backs, async_op,
             )  # fmt: skip
         try:
-            req = self._calls.allreduce(buf, e.mpi, mop, 0 if async_op else self.spins)
+            req = self._calls.allreduce(buf, e.mpi, mop, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("all_reduce", exc) from exc
         return None if req is None else self._done("all_reduce", req, None, buf, async_op)
@@ -519,7 +519,7 @@ class MPIBackend(BaseBackend):
                 lambda s, r, o: comm.Ireduce(s, r, o, root), backs, async_op,
             )  # fmt: skip
         try:
-            req = self._calls.reduce(buf, e.mpi, mop, root, 0 if async_op else self.spins)
+            req = self._calls.reduce(buf, e.mpi, mop, root, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("reduce", exc) from exc
         return None if req is None else self._done("reduce", req, None, buf, async_op)
@@ -552,9 +552,9 @@ class MPIBackend(BaseBackend):
             )  # fmt: skip
         try:
             if inp.nbytes < BLOCK_VARIANT_LIMIT:
-                req = self._calls.reduce_scatter_block(out, inp, e.mpi, mop, 0 if async_op else self.spins)
+                req = self._calls.reduce_scatter_block(out, inp, e.mpi, mop, 0 if async_op else self.c_spins)
             else:
-                req = self._calls.reduce_scatter(out, inp, e.mpi, mop, 0 if async_op else self.spins)
+                req = self._calls.reduce_scatter(out, inp, e.mpi, mop, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("reduce_scatter_tensor", exc) from exc
         return None if req is None else self._done("reduce_scatter_tensor", req, None, (inp, out), async_op)
@@ -595,7 +595,7 @@ class MPIBackend(BaseBackend):
                 post = then_write_back(None, backs) if backs else None
                 return self._done("broadcast", path.broadcast(buf, root), post, buf, async_op)
         try:
-            req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.spins)
+            req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("broadcast", exc) from exc
         if req is None and not backs:  # complete, nothing to write back
@@ -626,7 +626,7 @@ class MPIBackend(BaseBackend):
                 shm_op = path.all_gather(out, send)
                 return self._done("all_gather_into_tensor", shm_op, post, (out, send), async_op)
         try:
-            req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.spins)
+            req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("all_gather_into_tensor", exc) from exc
         if req is None and not backs:  # complete, nothing to write back
@@ -708,7 +708,7 @@ class MPIBackend(BaseBackend):
             inp = self._separate(inp)  # MPI forbids aliased buffers
         try:
             if out_counts is None or in_counts is None:
-                req = self._calls.alltoall(out, inp, e.mpi, 0 if async_op else self.spins)
+                req = self._calls.alltoall(out, inp, e.mpi, 0 if async_op else self.c_spins)
             else:
                 req = self.comm.Ialltoallv(
                     [inp, in_counts, displacements(in_counts), e.mpi],
@@ -768,10 +768,10 @@ class MPIBackend(BaseBackend):
     def barrier(self, async_op: bool) -> Work | None:
         self.seq += 1
         try:
-            req = self.comm.Ibarrier()
+            req = self._calls.barrier(0 if async_op else self.c_spins)
         except MPI.Exception as exc:
             raise self._fail("barrier", exc) from exc
-        return self._done("barrier", req, None, None, async_op)
+        return None if req is None else self._done("barrier", req, None, None, async_op)
 
     # -- point-to-point -------------------------------------------------------------------
     # (one call each through self._calls: straight to MPI where the C calls are bound, see _direct_p2p.c)
@@ -792,7 +792,7 @@ class MPIBackend(BaseBackend):
         self.sent += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "send")
         try:
-            req = self._calls.send(buf, e.mpi, peer, tag, self.spins)
+            req = self._calls.send(buf, e.mpi, peer, tag, self.c_spins)
             if req is None:  # complete within the C call's tests
                 return
             if type(req) is int:
@@ -813,7 +813,7 @@ class MPIBackend(BaseBackend):
         got = None
         if backs is None:
             try:
-                got = self._calls.recv(buf, ANY_SOURCE if peer is None else peer, tag, self.spins)
+                got = self._calls.recv(buf, ANY_SOURCE if peer is None else peer, tag, self.c_spins)
             except MPI.Exception as exc:
                 raise self.backend_error("recv", self.p2p_seq, exc) from exc
             if type(got) is int:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
+
+import numpy as np
 
 import pytest
 from mpi4py import MPI
 
+import mpidist as dist
 from mpidist import work
 from mpidist._world import world
 from mpidist.testing import backend_of
@@ -49,6 +53,9 @@ def test_init_picks_the_wait_mode_of_this_node():
     spins = work.SPINS_OVERSUBSCRIBED if expected else work.SPINS_IDLE_CORES
     if backend_of().spins != spins:
         problems.append(f"the default group spins {backend_of().spins} tests, expected {spins}")
+    c_spins = -spins if expected else spins  # negative: the C calls go on testing with yields between
+    if backend_of().c_spins != c_spins:
+        problems.append(f"the default group's C calls spin {backend_of().c_spins}, expected {c_spins}")
     fail_together(problems)
 
 
@@ -95,3 +102,38 @@ def test_a_napping_wait_returns_as_soon_as_the_test_succeeds(monkeypatch):
 
         assert work.poll_slowly(test, 60) is True
         assert len(calls) == after
+
+
+def test_the_yielding_c_wait_gives_the_results_and_keeps_the_timeout(rank, world_size):
+    """Where the C calls yield between tests (``c_spins`` < 0: more ranks than cores; forced here), the
+    blocking calls give numpy's results, and a receive that nobody sends still ends at the group's timeout."""
+    g = dist.new_group(timeout=timedelta(seconds=5))
+    backend_of(g).c_spins = -2
+    problems = []
+    x = np.arange(4, dtype=np.float64) + rank
+    dist.all_reduce(x, group=g)
+    if not np.array_equal(x, np.arange(4) * world_size + sum(range(world_size))):
+        problems.append(f"all_reduce gave {x}")
+    y = np.full(3, float(rank))
+    dist.broadcast(y, src=world_size - 1, group=g)
+    if not np.array_equal(y, np.full(3, world_size - 1.0)):
+        problems.append(f"broadcast gave {y}")
+    dist.barrier(group=g)
+    if world_size > 1:
+        got = np.zeros(2)
+        if rank % 2 == 0 and rank + 1 < world_size:
+            dist.send(np.full(2, rank + 0.5), dst=rank + 1, group=g)
+        elif rank % 2 == 1:
+            if dist.recv(got, src=rank - 1, group=g) != rank - 1 or not np.array_equal(got, np.full(2, rank - 0.5)):
+                problems.append(f"recv gave {got}")
+    alone = [dist.new_group([r], timeout=timedelta(seconds=0.3)) for r in range(world_size)][rank]
+    backend_of(alone).c_spins = -2
+    start = time.monotonic()
+    try:
+        dist.recv(np.zeros(1), group=alone)  # any source, in a group of one, and nobody sends
+        problems.append("the receive returned")
+    except dist.DistBackendError:
+        took = time.monotonic() - start
+        if not 0.25 <= took < 3:
+            problems.append(f"the receive timed out after {took:.2f} s, its timeout is 0.3 s")
+    fail_together(problems)
