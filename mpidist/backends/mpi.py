@@ -390,12 +390,17 @@ class MPIBackend(BaseBackend):
         rank, and so are the fixed ranges (agreed at set-up) and the measured choices (shm_choice.py).
         """
         choice = self._choice
+        table = routes.get(fn)
+        if table is not None:  # the common case first: a class whose choice is made and not due for a check
+            r = table[nbytes.bit_length()]
+            if r is not None and r.left > 1 and choice.trying is None:  # (left counts down only once chosen)
+                r.left -= 1
+                return r.way
         if choice.trying is not None:  # the measured call, issued again as the path it measures
             return choice.trying
         path = self._shm
         if fn in path.fixed:
             return SHARED if path.takes(fn, nbytes) else 0
-        table = routes.get(fn)
         if table is None:
             table = routes[fn] = [None] * CLASSES
         return choice.next(table, fn, label, nbytes)

@@ -162,6 +162,10 @@ def _node_key() -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+#: a reducer not made yet (SharedPath.reducer)
+_UNSET: Any = object()
+
+
 class Reducer:
     """How the shared-memory path reduces one dtype with one op: ``deposit``, ``reduce``, ``finish``."""
 
@@ -271,7 +275,7 @@ class SharedPath:
         self._scratch = np.empty(CHUNK + 2 * _PAGE, np.uint8)  # see reduce_into
         self._scratch_page = (-self._scratch.ctypes.data) % _PAGE
         self._views: dict[np.dtype, tuple[list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
-        self._reducers: dict[tuple[np.dtype, Any], Reducer | None] = {}
+        self._reducers: dict[TypeEntry, list[Any]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------------
     @classmethod
@@ -372,12 +376,17 @@ class SharedPath:
 
     def reducer(self, e: TypeEntry, op: Any) -> Reducer | None:
         """The reducer of ``op`` on ``e``'s dtype (cached), or None: MPI's path runs that reduction."""
-        k = (e.info.dtype, op)
-        if k not in self._reducers:
-            r = self._reducers[k] = Reducer.of(e, op, self.size)
+        if type(op) is not RedOpType:
+            return None  # an op with data (PREMUL_SUM) or not an op: MPI's path
+        per_op = self._reducers.get(e)  # by the dtype's TypeEntry (one per dtype in the group's type table)
+        if per_op is None:
+            per_op = self._reducers[e] = [_UNSET] * len(RedOpType)
+        r = per_op[op]  # a list indexed by the op: hashing an IntEnum member costs a Python call
+        if r is _UNSET:
+            r = per_op[op] = Reducer.of(e, op, self.size)
             if r is not None:
-                r.label = f"{e.info.dtype.name} {getattr(op, 'name', op).lower()}"
-        return self._reducers[k]
+                r.label = f"{e.info.dtype.name} {op.name.lower()}"
+        return r
 
     def reduce_into(self, r: Reducer, dst: np.ndarray, sources: list[np.ndarray]) -> None:
         """``r.reduce(dst, sources)``, through a scratch buffer where ``dst`` would alias a source (``_ALIAS_WINDOW``)."""

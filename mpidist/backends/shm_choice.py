@@ -119,12 +119,15 @@ def _us(seconds: float) -> str:
 class Route:
     """One size class of one collective (and dtype and op): its choice, or where its measuring stands."""
 
-    __slots__ = ("fn", "label", "bits", "prior", "way", "left", "interval", "calls", "times", "told", "agreement")
+    __slots__ = (
+        "fn", "label", "bits", "prior", "way", "chosen", "left", "interval", "calls", "times", "told", "agreement",
+    )  # fmt: skip
 
     def __init__(self, fn: str, label: str, bits: int, prior: bool) -> None:
         self.fn, self.label, self.bits = fn, label, bits
         self.prior = prior  # the --tune table says shared memory wins here (agreed by every rank at set-up)
         self.way = TRIAL  # what the calls take now: MPI_CALL or SHARED once chosen, TRIAL while measuring
+        self.chosen = TRIAL  # the last choice (TRIAL before the first): a new one is logged where it differs
         self.left = 0  # calls until the next measuring (decided) or measured calls made (measuring)
         self.interval = RECHECK_FIRST
         self.calls = 0  # measured calls issued in this round
@@ -251,8 +254,8 @@ class Chooser:
         t_mpi, t_shm, no_prior = (float(v) for v in agreed)
         margin = MARGIN if no_prior else PRIOR_MARGIN
         way = SHARED if t_mpi > 0 and 0 < t_shm <= margin * t_mpi else MPI_CALL
-        changed = way != r.way and r.told
-        r.way = way
+        changed = r.chosen != TRIAL and way != r.chosen
+        r.way = r.chosen = way
         r.left = r.interval
         r.interval = min(2 * r.interval, RECHECK_LAST)
         if not r.told or changed:

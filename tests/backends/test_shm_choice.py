@@ -299,3 +299,40 @@ def test_the_margin_the_prior_and_the_checks_again():
     takes = [ch.next(table, "all_reduce", "float32 sum", 100 << 10) for _ in range(shm_choice.RECHECK_FIRST)]
     assert takes[:-1] == [shm_choice.SHARED] * (shm_choice.RECHECK_FIRST - 1) and takes[-1] == shm_choice.TRIAL
     assert ch.next(table, "all_reduce", "float32 sum", 200 << 10) == shm_choice.TRIAL  # another class
+
+
+@pytest.mark.one_rank
+def test_a_choice_is_logged_once_and_again_only_where_a_check_changes_it(caplog):
+    """INFO logs the first choice of a class; a later check logs only where it chose the other path ("changed")."""
+    caplog.set_level(logging.INFO, logger="mpidist")
+    ch = shm_choice.Chooser(_Alone(), {})
+    table: list[Any] = [None] * shm_choice.CLASSES
+    nbytes = 64 << 10
+
+    def one_round(mpi_s: float, shm_s: float) -> int:
+        """From a class's (re)measuring to its choice: the measured calls with these timings, the agreement."""
+        while ch.next(table, "all_reduce", "float32 sum", nbytes) != shm_choice.TRIAL:
+            pass  # the calls the last choice holds, up to the check
+        for k in range(shm_choice.ROUND):
+            if k:
+                assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.TRIAL
+            route, shared, timed = ch.pending
+            if timed:
+                route.add(shared, shm_s if shared else mpi_s)
+        for _ in range(shm_choice.AGREE_LAG):
+            assert ch.next(table, "all_reduce", "float32 sum", nbytes) == shm_choice.MPI_CALL
+        return ch.next(table, "all_reduce", "float32 sum", nbytes)
+
+    def logged() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("all_reduce float32 sum")]
+        caplog.clear()
+        return lines
+
+    assert one_round(1.0, 0.5) == shm_choice.SHARED
+    first = logged()
+    assert len(first) == 1 and ": shared memory (" in first[0] and "(changed)" not in first[0], first
+    assert one_round(1.0, 0.6) == shm_choice.SHARED
+    assert logged() == []  # the same choice again: nothing new to say
+    assert one_round(1.0, 2.0) == shm_choice.MPI_CALL
+    again = logged()
+    assert len(again) == 1 and ": MPI (changed) (" in again[0], again
