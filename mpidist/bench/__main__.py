@@ -29,6 +29,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -235,14 +236,25 @@ def count_wrong(got: np.ndarray, want: np.ndarray, ranks: int) -> int:
     return int(np.count_nonzero(~close))
 
 
-def check(run: Run, arrays: Any, ranks: int) -> dict[str, int]:
-    """Fill every rank's known inputs, run each implementation once, count wrong elements here."""
+def fill(run: Run, arrays: Any) -> None:
+    """Write every array of ``run``: outputs zeros, inputs their known values.
+
+    Before timing too: an array never written reads the kernel's zero page (a broadcast's
+    source only reads its array), and one array of a pair may be fresh pages while the
+    other reuses memory that earlier sizes touched (glibc's heap serves allocations up to
+    its mmap threshold, 32 MiB); either made one implementation look several times faster.
+    """
     for outs in run.outputs.values():
         for a, _ in outs:
             arrays.clear(a)
     for a, values in run.inputs:
         arrays.upload(a, values())
     arrays.synchronize()
+
+
+def check(run: Run, arrays: Any, ranks: int) -> dict[str, int]:
+    """Fill every rank's known inputs, run each implementation once, count wrong elements here."""
+    fill(run, arrays)
     run.mpidist()
     if run.raw is not None:
         run.raw()
@@ -365,12 +377,15 @@ def _measure(args: argparse.Namespace, case: Case, ctx: Context, count: int, siz
     Collective: every rank calls it with the same arguments.
     """
     comm, arrays = ctx.comm, ctx.arrays
-    run = case.setup(ctx, count)
     error, wrong = "", {}
     try:
-        if args.check:
-            wrong = check(run, arrays, ctx.size)
-        else:  # the first call, where mpidist refuses what it cannot do (on every rank alike)
+        if args.check:  # on separate arrays per implementation: each one's results are checked
+            wrong = check(case.setup(ctx, count), arrays, ctx.size)
+        # timed on the same arrays where the case can (Context.twin): the two implementations then read and
+        # write the same pages, so where the allocator put them cannot favour either
+        run = case.setup(replace(ctx, share=True), count)
+        fill(run, arrays)
+        if not args.check:  # the first call, where mpidist refuses what it cannot do (on every rank alike)
             run.mpidist()
     except Exception as exc:  # noqa: BLE001 - reported as a collective mpidist cannot run, on every rank
         error = f"{type(exc).__name__}: {exc}".splitlines()[0]

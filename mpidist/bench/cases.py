@@ -124,6 +124,7 @@ class Context:
     root: int
     window: int  # messages per iteration of p2p_bandwidth
     raw_mode: str = "blocking"  # RAW_MODES: how raw mpi4py makes each call
+    share: bool = False  # while timing: raw mpi4py's calls use mpidist's arrays where they can (twin)
     rank: int = field(init=False)
     size: int = field(init=False)
     reduce_op: Any = field(init=False)  # the mpidist ReduceOp
@@ -139,6 +140,11 @@ class Context:
 
     def empty(self, k: int) -> Any:
         return self.arrays.empty(k, self.dtype)
+
+    def twin(self, a: Any, k: int) -> Any:
+        """Raw mpi4py's array of ``k`` elements in the place of mpidist's ``a``: ``a`` itself while timing
+        (``share``: the same pages for both, wherever the allocator put them), a new one while checking."""
+        return a if self.share else self.empty(k)
 
     def buf(self, a: Any) -> list[Any]:
         """Raw mpi4py's message for array ``a``: ``[its bytes, datatype]``."""
@@ -312,7 +318,8 @@ def _spread(n: int) -> float:
 
 # -- the collectives ---------------------------------------------------------------------------
 def _all_reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
-    a, b = ctx.empty(c), ctx.empty(c)
+    a = ctx.empty(c)
+    b = ctx.twin(a, c)
     dist, op, rb, mop = ctx.dist, ctx.reduce_op, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
 
@@ -330,7 +337,8 @@ def _all_reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
 
 
 def _broadcast(ctx: Context, c: int, persistent: bool = False) -> Run:
-    a, b = ctx.empty(c), ctx.empty(c)
+    a = ctx.empty(c)
+    b = ctx.twin(a, c)
     dist, root, rb = ctx.dist, ctx.root, ctx.buf(b)
     want = lambda: ctx.pattern(c, root)  # noqa: E731
     run = Run(
@@ -344,7 +352,8 @@ def _broadcast(ctx: Context, c: int, persistent: bool = False) -> Run:
 
 
 def _reduce(ctx: Context, c: int, persistent: bool = False) -> Run:
-    a, b = ctx.empty(c), ctx.empty(c)
+    a = ctx.empty(c)
+    b = ctx.twin(a, c)
     dist, op, root, rb, mop = ctx.dist, ctx.reduce_op, ctx.root, ctx.buf(b), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
     if ctx.rank == root:
@@ -369,7 +378,8 @@ def _gathered(ctx: Context, c: int) -> np.ndarray:
 
 def _all_gather_into_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n = ctx.size
-    a, out, b, raw_out = ctx.empty(c), ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n)
+    a, out = ctx.empty(c), ctx.empty(c * n)
+    b, raw_out = ctx.twin(a, c), ctx.twin(out, c * n)
     dist, rb, rout = ctx.dist, ctx.buf(b), ctx.buf(raw_out)
     want = lambda: _gathered(ctx, c)  # noqa: E731
     run = Run(
@@ -401,7 +411,8 @@ def _all_gather(ctx: Context, c: int) -> Run:
 
 def _reduce_scatter_tensor(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
-    a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c), ctx.empty(c * n), ctx.empty(c)
+    a, out = ctx.empty(c * n), ctx.empty(c)
+    b, raw_out = ctx.twin(a, c * n), ctx.twin(out, c)
     dist, op, rb, rout, mop = ctx.dist, ctx.reduce_op, ctx.buf(b), ctx.buf(raw_out), ctx.raw_op
     missing = ctx.raw_missing(reduces=True)
 
@@ -420,7 +431,8 @@ def _reduce_scatter_tensor(ctx: Context, c: int, persistent: bool = False) -> Ru
 
 def _all_to_all_single(ctx: Context, c: int, persistent: bool = False) -> Run:
     n, me = ctx.size, ctx.rank
-    a, out, b, raw_out = ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n), ctx.empty(c * n)
+    a, out = ctx.empty(c * n), ctx.empty(c * n)
+    b, raw_out = ctx.twin(a, c * n), ctx.twin(out, c * n)
     dist, rb, rout = ctx.dist, ctx.buf(b), ctx.buf(raw_out)
 
     def want() -> np.ndarray:

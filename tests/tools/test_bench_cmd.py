@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -401,3 +402,25 @@ def test_gpu_check_says_why_it_cannot_run_without_a_gpu():
                 problems.append(f"status {out.returncode}, output {out.stdout!r} {out.stderr[-500:]!r}")
     everyone = MPI.COMM_WORLD.allgather(problems)
     assert not any(everyone), everyone
+
+
+@pytest.mark.parametrize(
+    "name", ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"]
+)
+def test_timed_calls_share_their_arrays_and_checked_ones_do_not(name):
+    """While timing (``share``) raw mpi4py's call uses mpidist's arrays, so that the pages the allocator handed out
+    cannot favour either implementation; while checking each has its own, so each one's results are checked."""
+    from dataclasses import replace
+
+    from mpidist.bench.cases import Context
+    from mpidist.bench.devices import HostArrays
+
+    comm = MPI.COMM_WORLD.Dup()
+    ctx = Context(dist, comm, HostArrays(), np.dtype(np.float32), "sum", 0, 4)
+    case = CASES[name]
+    checked, timed = case.setup(ctx, 8), case.setup(replace(ctx, share=True), 8)
+    ids = lambda run: [id(a) for a, _ in run.inputs]  # noqa: E731 - mpidist's input, then raw's
+    assert len(set(ids(checked))) == 2 and len(set(ids(timed))) == 1, (ids(checked), ids(timed))
+    outs = lambda run: [id(run.outputs[k][0][0]) for k in ("mpidist", "raw")]  # noqa: E731
+    assert len(set(outs(checked))) == 2 and len(set(outs(timed))) == 1
+    comm.Free()
