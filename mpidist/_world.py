@@ -86,6 +86,9 @@ class World:
         self.ulfm: bool | None = None  # the MPI library reports dead members (backends/ulfm.py; asked once)
         self.persistent_routines: dict[str, bool] = {}  # MPI-4 *_init routines this MPI library runs (probed)
         self.self_truncation_reported: bool | None = None  # MPI reports a longer message to self (probed)
+        # bytes of shared-memory segments this rank's groups hold, its part of each (backends/shm.py: the node's
+        # budget); kept across reset, as a group left pending keeps its segment
+        self.shm_share = 0
         self.staging_warned = False  # the one-time warning about staging device arrays through host memory
         self.direct: Any = None  # backends.direct.DirectState: whether the MPI backend calls MPI directly (once)
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)

@@ -227,6 +227,8 @@ class MPIBackend(BaseBackend):
         """
         if self.pending():
             return
+        if self._shm is not None:
+            self._shm.release()
         self._shm = None  # its memory goes when every rank has dropped it
         if self._owns_comm and self.comm != MPI.COMM_NULL:
             self.comm.Free()

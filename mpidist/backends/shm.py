@@ -16,8 +16,8 @@ that share a node map one shared segment and move each chunk of a message once:
 * **reduce_scatter_tensor**: each rank copies the blocks others reduce into its slot
   and reduces its own block straight into its output.
 
-A message goes in chunks of :data:`CHUNK` bytes through two slots per rank (double
-buffering), so one phase of a chunk overlaps the next chunk's copy. Ranks announce
+A message goes in chunks (:data:`CHUNK` bytes, or less where the node's budget is
+tight, down to :data:`MIN_CHUNK`) through two slots per rank (double buffering), so one phase of a chunk overlaps the next chunk's copy. Ranks announce
 each phase by raising a counter in the segment (``_shm.c``: a release store, read
 with acquire loads) and numbered chunks never repeat, so no counter is ever reset.
 
@@ -33,8 +33,12 @@ drive it as they drive MPI's requests. A group's operations run in issue order.
 The segment is POSIX shared memory: the group's rank 0 creates it, every rank maps
 it, and rank 0 unlinks its name as soon as all have (milliseconds later), so a
 crash or a kill leaves nothing behind; the memory goes when the last rank unmaps it.
-Peak extra memory: n x (2 x CHUNK + 2 x CHUNK/n + 4 KiB) per node (6 MiB for 2
-ranks, 10 MiB for 4), whatever the message size.
+Extra memory per group: n x (2 x chunk + 2 x chunk/n + 4 KiB) on its node (6 MiB for 2
+ranks, 10 MiB for 4 with 1 MiB chunks), whatever the message size. Every group of a node
+together takes at most ``shm_tuning.node_budget()`` (half of ``/dev/shm``, at most 256 MiB,
+or ``MPIDIST_SHM_NODE_BYTES``): each rank may hold its share of it (the budget over the
+node's ranks) across its groups; a group whose ranks have less room left takes smaller
+chunks, and one without room for the smallest keeps MPI's calls.
 
 Example (``mpiexec -n 2``, after ``init_process_group``): an all_reduce of 4 MiB takes
 this path where the group measured it faster than MPI's call (``shm_choice.py``)::
@@ -62,6 +66,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._validate import c_extension_refused
+from .._world import world
 from ..errors import DistBackendError
 from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, from_order_keys, to_order_keys
 from ..work import poll
@@ -75,11 +80,13 @@ try:  # the POSIX shared-memory calls multiprocessing.shared_memory uses (no res
 except ImportError:  # pragma: no cover - not a POSIX system
     _posixshmem = None
 
-__all__ = ["SharedPath", "SharedOp", "Reducer", "CHUNK", "shm_status"]
+__all__ = ["SharedPath", "SharedOp", "Reducer", "CHUNK", "MIN_CHUNK", "chunk_for", "shm_status"]
 
 #: bytes of a message per chunk and slot (measured on 2 ranks, 4 and 64 MiB all_reduce: 256 KiB chunks
 #: took 1.2x the time of 1 MiB ones, 2 MiB ones 0.95-1.05x; 1 MiB keeps the segment small)
 CHUNK = 1 << 20
+#: the smallest chunk a group takes where the node's budget leaves less room (below it: MPI's calls)
+MIN_CHUNK = 64 << 10
 #: per rank: four counters a cache line apart (deposited, combined, collected, attached), then the slots and
 #: result areas. Each rank's region is whole pages: with regions of other sizes one rank's counters shared a
 #: page (and lines nearby) with the other rank's result area, and depositing 2 MiB took 0.93 ms instead of
@@ -252,8 +259,10 @@ class SharedPath:
         limits: dict[str, shm_tuning.Range],
         fixed: frozenset[str] = frozenset(),
         prior: dict[str, shm_tuning.Range] | None = None,
+        chunk: int = CHUNK,
     ) -> None:
         self.rank, self.size = rank, size
+        self.chunk = chunk  # bytes of a message per chunk and slot (chunk_for: what the node's budget allows)
         # the collectives MPIDIST_SHM_THRESHOLDS fixes, and the sizes (from, up to) at which each comes here
         # (agreed by every rank); the others are measured (shm_choice.py) from SETUP_FLOOR on
         self.fixed = fixed
@@ -261,9 +270,10 @@ class SharedPath:
         self.prior = prior or {}  # the --tune table's ranges, agreed: a prior of the measuring
         self.smallest = min(low if name in fixed else shm_tuning.SETUP_FLOOR for name, (low, _) in limits.items())
         self.routes: dict[str, list[Any]] = {}  # broadcast's and all_gather_into_tensor's size classes (shm_choice)
-        self.result_bytes = _region_sizes(size)[1]
-        self.per = _region_sizes(size)[0]  # bytes of one rank's region (whole pages)
+        self.per, self.result_bytes = _region_sizes(size, chunk)  # one rank's region (whole pages), a result area
         self.mem = mem
+        self.share = len(mem) // size  # this rank's part of the node's budget (shm_tuning.node_budget)
+        world.shm_share += self.share
         self.bytes = np.frombuffer(mem, np.uint8)
         self.base = self.bytes.ctypes.data
         self.mine = self.base + rank * self.per
@@ -272,7 +282,7 @@ class SharedPath:
         # Test() may run in another thread than the call that issued the operation (the torch backend's
         # progress thread completes Works): one thread at a time advances the queue
         self.lock = threading.Lock()
-        self._scratch = np.empty(CHUNK + 2 * _PAGE, np.uint8)  # see reduce_into
+        self._scratch = np.empty(chunk + 2 * _PAGE, np.uint8)  # see reduce_into
         self._scratch_page = (-self._scratch.ctypes.data) % _PAGE
         self._views: dict[np.dtype, tuple[list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
         self._reducers: dict[TypeEntry, list[Any]] = {}
@@ -294,7 +304,19 @@ class SharedPath:
         willing = size > 1 and shm_tuning.enabled() and not shm_status() and not ulfm.enabled()
         fixed = shm_tuning.overrides()
         prior = shm_tuning.prior(size, library)
-        per = _region_sizes(size)[0]
+        # this rank's room: its part of the node's budget, less what its other groups' segments hold
+        budget = shm_tuning.node_budget() if willing else 0
+        room = budget // max(1, world.init_info.node_size) - world.shm_share
+        chunk = chunk_for(size, room) if willing else 0
+        if willing and not chunk:
+            willing = False
+            _log.warning(
+                "%s: group %s keeps MPI's calls: rank %d has %.1f MiB left of its part of the node's shared-memory "
+                "budget (%.1f MiB over %d ranks; MPIDIST_SHM_NODE_BYTES), less than the %.1f MiB a group of %d "
+                "ranks needs at the least", fn, backend.group_name or "default", rank, max(room, 0) / 2**20,
+                budget / 2**20, world.init_info.node_size, _region_sizes(size, MIN_CHUNK)[0] / 2**20, size,
+            )  # fmt: skip
+        per = _region_sizes(size, chunk)[0] if chunk else 0
         name, mem, nonce = "", None, 0
         if willing and rank == 0:
             nonce = secrets.randbits(62)
@@ -313,7 +335,9 @@ class SharedPath:
         for c in shm_tuning.COLLECTIVES:
             low, high = fixed.get(c, (shm_tuning.SETUP_FLOOR, shm_tuning.NEVER))
             ranges += [int(c in fixed), low, -high, prior[c][0], -prior[c][1]]
-        mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *ranges], np.int64)
+        # the chunk: the smallest any rank has room for (MAX of the negatives); the segment's, rank 0's
+        chunks = [-chunk, chunk if name else 0]
+        mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *chunks, *ranges], np.int64)
         agreed = np.zeros_like(mine)
         try:
             req = comm.Iallreduce(mine, agreed, MPI.MAX)
@@ -331,19 +355,20 @@ class SharedPath:
                 _unlink(name)
             return None
         name = name or f"/mpidist-{int(agreed[3])}-{int(agreed[4]):x}"
+        chunk, made = -int(agreed[5]), int(agreed[6])  # made >= chunk: a rank with less room asks for less
         try:
             if mem is None:
-                mem = _attach(name, size * per)
+                mem = _attach(name, size * _region_sizes(size, made)[0])
         except OSError as exc:
             raise DistBackendError(
                 f"{fn}: rank {rank} of group {backend.group_name or 'default'} could not map the group's shared "
                 f"memory {name} ({exc}); set MPIDIST_SHM=0 to use MPI's calls only"
             ) from exc
-        ends = [int(v) for v in agreed[5:]]
+        ends = [int(v) for v in agreed[7:]]
         cols = list(enumerate(shm_tuning.COLLECTIVES))
         limits = {c: (ends[5 * i + 1], -ends[5 * i + 2]) for i, c in cols}
         prior = {c: (ends[5 * i + 3], -ends[5 * i + 4]) for i, c in cols if ends[5 * i + 3] < shm_tuning.NEVER}
-        path = cls(rank, size, mem, limits, frozenset(c for i, c in cols if ends[5 * i]), prior)
+        path = cls(rank, size, mem, limits, frozenset(c for i, c in cols if ends[5 * i]), prior, chunk)
         _publish(path.mine + _ATTACHED, 1)
         if rank == 0:  # every rank has mapped it (or the wait ran out): the name can go
             try:
@@ -356,6 +381,11 @@ class SharedPath:
                 _unlink(name)
         return path
 
+    def release(self) -> None:
+        """Give this rank's part of the segment back to the node's budget (the group is being freed)."""
+        world.shm_share -= self.share
+        self.share = 0
+
     # -- what the collectives use ---------------------------------------------------------------------
     def views(self, dtype: np.dtype) -> tuple[list[list[np.ndarray]], list[list[np.ndarray]]]:
         """Per rank and slot: the slot and the result area as arrays of ``dtype`` (made once per dtype)."""
@@ -365,8 +395,9 @@ class SharedPath:
             isz = dtype.itemsize
             for k in range(self.size):
                 at = k * self.per + _HEADER
-                slots.append([self.bytes[at + p * CHUNK : at + (p + 1) * CHUNK].view(dtype) for p in (0, 1)])
-                at += 2 * CHUNK
+                c = self.chunk
+                slots.append([self.bytes[at + p * c : at + (p + 1) * c].view(dtype) for p in (0, 1)])
+                at += 2 * c
                 rb = self.result_bytes // isz * isz
                 results.append(
                     [self.bytes[at + p * self.result_bytes : at + p * self.result_bytes + rb].view(dtype) for p in (0, 1)]
@@ -439,10 +470,26 @@ def _aliases(out: int, source: int) -> bool:
     return 0 < (out - source) % _PAGE <= _ALIAS_WINDOW
 
 
-def _region_sizes(size: int) -> tuple[int, int]:
-    """(bytes of one rank's region, bytes of one result area) for ``size`` ranks: whole pages each."""
-    result = -(-(CHUNK // size + 16) // _PAGE) * _PAGE
-    return _HEADER + 2 * CHUNK + 2 * result + (_PAGE - _HEADER), result
+def _region_sizes(size: int, chunk: int) -> tuple[int, int]:
+    """(bytes of one rank's region, bytes of one result area) for ``size`` ranks and ``chunk``: whole pages each."""
+    result = -(-(chunk // size + 16) // _PAGE) * _PAGE
+    return _HEADER + 2 * chunk + 2 * result + (_PAGE - _HEADER), result
+
+
+def chunk_for(size: int, room: int) -> int:
+    """The largest chunk (a power of two from :data:`MIN_CHUNK` to :data:`CHUNK`) whose region of a group of
+    ``size`` ranks fits in ``room`` bytes (a rank's part of the segment); 0 where none does.
+
+    Examples:
+        >>> chunk_for(2, 8 << 20), chunk_for(32, 1 << 20), chunk_for(4, 100 << 10)
+        (1048576, 262144, 0)
+    """
+    chunk = CHUNK
+    while chunk >= MIN_CHUNK:
+        if _region_sizes(size, chunk)[0] <= room:
+            return chunk
+        chunk //= 2
+    return 0
 
 
 def _create(name: str, nbytes: int) -> mmap.mmap:
@@ -591,7 +638,7 @@ class _AllReduce(SharedOp):
     __slots__ = ("x", "r", "root", "elems", "slots", "results")
 
     def __init__(self, path: SharedPath, x: np.ndarray, r: Reducer, root: int | None) -> None:
-        self.elems = CHUNK // x.itemsize
+        self.elems = path.chunk // x.itemsize
         super().__init__(path, -(-x.size // self.elems))
         self.x, self.r, self.root = x, r, root
         self.slots, self.results = path.views(x.dtype)
@@ -640,7 +687,7 @@ class _Broadcast(SharedOp):
         return self.path.base + self.root * self.path.per + _DEPOSITED
 
     def __init__(self, path: SharedPath, x: np.ndarray, root: int) -> None:
-        self.elems = CHUNK // x.itemsize
+        self.elems = path.chunk // x.itemsize
         super().__init__(path, -(-x.size // self.elems))
         self.x, self.root = x, root
         self.slots = path.views(x.dtype)[0]
@@ -674,7 +721,7 @@ class _AllGather(SharedOp):
         self.in_place = inp is None
         self.m = out.size // path.size
         self.inp = out[path.rank * self.m : (path.rank + 1) * self.m] if inp is None else inp.reshape(-1)
-        self.elems = CHUNK // out.itemsize
+        self.elems = path.chunk // out.itemsize
         super().__init__(path, -(-self.m // self.elems))
         self.out = out
         self.slots = path.views(out.dtype)[0]
@@ -707,7 +754,7 @@ class _ReduceScatter(SharedOp):
 
     def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray, r: Reducer) -> None:
         self.m = out.size
-        self.piece = CHUNK // out.itemsize // path.size
+        self.piece = path.chunk // out.itemsize // path.size
         super().__init__(path, -(-self.m // self.piece))
         self.out, self.inp, self.r = out, inp, r
         self.slots = path.views(out.dtype)[0]

@@ -11,7 +11,9 @@ and the ranks agree on the faster. This module holds what overrides or informs t
 3. the table ``python -m mpidist.bench --tune`` writes for this MPI library
    (:func:`tune_file`: ``MPIDIST_SHM_TUNE_FILE``, else ``~/.cache/mpidist/shm-thresholds.json``;
    a table written for another library is ignored) is a prior (:func:`prior`): in its
-   ranges shared memory needs to win by less to be chosen (``shm_choice.PRIOR_MARGIN``).
+   ranges shared memory needs to win by less to be chosen (``shm_choice.PRIOR_MARGIN``);
+4. ``MPIDIST_SHM_NODE_BYTES`` (e.g. ``64M``) bounds the shared memory of every group of a node
+   together (:func:`node_budget`; by default half of ``/dev/shm``, at most 256 MiB).
 
 A range is ``(from, up to)`` in bytes, both included (``up to`` is :data:`NEVER` for no
 upper end). The size is the array every rank passes alike: all_reduce's, broadcast's
@@ -39,7 +41,7 @@ from .._validate import env_flag
 
 __all__ = [
     "COLLECTIVES", "NEVER", "SETUP_FLOOR", "Range", "overrides", "prior", "enabled", "tune_file", "read_table",
-    "write_table", "parse_size", "parse_range",
+    "write_table", "parse_size", "parse_range", "node_budget", "NODE_BUDGET_MAX",
 ]  # fmt: skip
 
 #: the collectives the shared-memory path runs, in the order of the set-up agreement
@@ -56,6 +58,9 @@ Range = tuple[int, int]
 ENV_SWITCH = "MPIDIST_SHM"
 ENV_THRESHOLDS = "MPIDIST_SHM_THRESHOLDS"
 ENV_TUNE_FILE = "MPIDIST_SHM_TUNE_FILE"
+ENV_NODE_BYTES = "MPIDIST_SHM_NODE_BYTES"
+#: the default bound of a node's shared memory, where ``/dev/shm`` is larger than twice this
+NODE_BUDGET_MAX = 256 << 20
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
 
@@ -63,6 +68,26 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 def enabled() -> bool:
     """Whether this process allows the shared-memory path (``MPIDIST_SHM``, default on)."""
     return bool(env_flag(ENV_SWITCH, default=True))
+
+
+def node_budget() -> int:
+    """Bytes of shared memory every group of this node may take together.
+
+    ``MPIDIST_SHM_NODE_BYTES`` where set (``0``: none at all), else half of ``/dev/shm``'s size
+    (a container's 64 MB gives 32 MiB), at most :data:`NODE_BUDGET_MAX`. Each rank may hold
+    this divided by the node's ranks (``shm.SharedPath.setup``).
+
+    Raises:
+        ValueError: ``MPIDIST_SHM_NODE_BYTES`` is not a size.
+    """
+    named = os.environ.get(ENV_NODE_BYTES, "").strip()
+    if named:
+        return parse_size(named, ENV_NODE_BYTES)
+    try:
+        fs = os.statvfs("/dev/shm")
+    except OSError:  # no /dev/shm to ask (not Linux): the segment's own creation says whether it fits
+        return NODE_BUDGET_MAX
+    return min(NODE_BUDGET_MAX, fs.f_blocks * fs.f_frsize // 2)
 
 
 def parse_range(text: str, where: str) -> Range:

@@ -401,3 +401,76 @@ def test_prior_from_the_table_and_overrides_from_the_environment(tmp_path, monke
     monkeypatch.setenv(shm_tuning.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match=shm_tuning.ENV_SWITCH):
         shm_tuning.enabled()
+
+
+@pytest.mark.one_rank
+def test_the_chunk_is_the_largest_that_fits_and_the_budget_defaults_to_half_of_dev_shm(monkeypatch):
+    """chunk_for: powers of two from MIN_CHUNK to CHUNK; node_budget: MPIDIST_SHM_NODE_BYTES, else half of
+    /dev/shm up to NODE_BUDGET_MAX."""
+    region = lambda n, c: shm._region_sizes(n, c)[0]  # noqa: E731 - a rank's part of a group's segment
+    assert shm.chunk_for(2, region(2, shm.CHUNK)) == shm.CHUNK
+    assert shm.chunk_for(2, region(2, shm.CHUNK) - 1) == shm.CHUNK // 2
+    assert shm.chunk_for(32, region(32, 256 << 10)) == 256 << 10
+    assert shm.chunk_for(4, region(4, shm.MIN_CHUNK)) == shm.MIN_CHUNK
+    assert shm.chunk_for(4, region(4, shm.MIN_CHUNK) - 1) == 0
+    monkeypatch.setenv("MPIDIST_SHM_NODE_BYTES", "48M")
+    assert shm_tuning.node_budget() == 48 << 20
+    monkeypatch.setenv("MPIDIST_SHM_NODE_BYTES", "lots")
+    with pytest.raises(ValueError, match="MPIDIST_SHM_NODE_BYTES"):
+        shm_tuning.node_budget()
+    monkeypatch.delenv("MPIDIST_SHM_NODE_BYTES")
+    fs = os.statvfs("/dev/shm")
+    assert shm_tuning.node_budget() == min(shm_tuning.NODE_BUDGET_MAX, fs.f_blocks * fs.f_frsize // 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_nodes_budget_bounds_every_group_together(groups, caplog):
+    """MPIDIST_SHM_NODE_BYTES bounds the segments of all of a node's groups together: a group takes the largest
+    chunk its ranks have room for, its results are right across chunks, a group without room keeps MPI's calls
+    (and says so), and a freed group gives its part back."""
+    import logging
+
+    from mpidist._world import world
+
+    caplog.set_level(logging.WARNING, logger="mpidist")
+    c = Checks()
+    chunk = 256 << 10
+    held = world.shm_share  # the module's groups' parts
+    budget = world.init_info.node_size * (held + shm._region_sizes(SIZE, chunk)[0])  # room for one such group
+    every = ",".join(f"{k}={shm_tuning.SETUP_FLOOR}" for k in shm_tuning.COLLECTIVES)
+    env = {shm_tuning.ENV_THRESHOLDS: every, shm_tuning.ENV_NODE_BYTES: str(budget)}
+
+    def right_on(g, what: str) -> None:
+        n = 2 * chunk // 4 + 4099  # float32 elements: more than two chunks, the last one short
+        x = np.full(n, RANK + 1.0, np.float32)
+        dist.all_reduce(x, group=g)
+        c.true(f"{what}: all_reduce", (x == SIZE * (SIZE + 1) / 2).all())
+        x = np.full(n, float(RANK), np.float32)
+        dist.broadcast(x, src=SIZE - 1, group=g)
+        c.true(f"{what}: broadcast", (x == SIZE - 1).all())
+        out = np.zeros(n * SIZE, np.float32)
+        dist.all_gather_into_tensor(out, np.full(n, float(RANK), np.float32), group=g)
+        c.true(f"{what}: all_gather_into_tensor", (out.reshape(SIZE, n) == np.arange(SIZE)[:, None]).all())
+        out = np.zeros(n, np.float32)
+        dist.reduce_scatter_tensor(out, np.full(n * SIZE, RANK + 1.0, np.float32), group=g)
+        c.true(f"{what}: reduce_scatter_tensor", (out == SIZE * (SIZE + 1) / 2).all())
+
+    first = _group_with(env)
+    path = backend_of(first).shared_memory()
+    c.true("the first group under the budget has no path", path is not None)
+    c.equal("its chunk", None if path is None else path.chunk, chunk)
+    right_on(first, "the first group")
+    caplog.clear()
+    second = _group_with(env)
+    c.true("a second group found room the first one holds", backend_of(second).shared_memory() is None)
+    said = [r.getMessage() for r in caplog.records if "keeps MPI's calls" in r.getMessage()]
+    c.true(f"no warning says why the second group keeps MPI's calls: {said}", any("budget" in m for m in said))
+    right_on(second, "the group without room")
+    dist.destroy_process_group(first)
+    c.equal("this rank's part after the first group is freed", world.shm_share, held)
+    third = _group_with(env)
+    path = backend_of(third).shared_memory()
+    c.equal("the chunk of a group made after the first was freed", None if path is None else path.chunk, chunk)
+    dist.destroy_process_group(second)
+    dist.destroy_process_group(third)
+    c.done()
