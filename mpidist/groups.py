@@ -62,7 +62,6 @@ def make_group(
     backend sees the default store through a ``PrefixStore`` of its own.
     """
     from .backends.mpi import MPIBackend  # imports mpi4py.MPI: deferred, import mpidist must not start MPI
-    from .backends.mpi_device import MPIDeviceBackend
 
     backend_name = devices.get("cpu") or devices["cuda"]
     store = None
@@ -88,7 +87,12 @@ def make_group(
     host: BaseBackend | None = first
     if "cpu" not in devices:  # a device-only group (nccl, cuda:mpi): its backend serves device arrays only
         host = None
-        device = MPIDeviceBackend(first, owns_inner=True) if isinstance(first, MPIBackend) else first
+        if isinstance(first, MPIBackend):
+            from .backends.mpi_device import MPIDeviceBackend  # only device-only groups need it at creation
+
+            device = MPIDeviceBackend(first, owns_inner=True)
+        else:
+            device = first
     control = MPIBackend(
         control_comm, timeout.total_seconds(), f"{name}/control", owns_comm=True, global_ranks=list(ranks)
     )

@@ -40,11 +40,8 @@ from ..arrays.host import displacements, then_write_back
 from ..errors import DistBackendError, ProcessFailedError
 from ..reduce_op import RedOpType
 from ..work import Work, poll
-from . import ulfm
 from .base import BaseBackend, PersistentPlan
 from .direct import calls_kind, make_calls
-from .mpi_receive import Receive, finish_blocking_receive, posted_receive, reports_self_truncation
-from .mpi_reductions import reduction_plan
 from .mpi_types import (
     BLOCK_VARIANT_LIMIT,
     COUNT_ERRORS,
@@ -59,6 +56,8 @@ from .shm_choice import CLASSES, SHARED, TRIAL, Chooser
 from .shm_tuning import NEVER, SETUP_FLOOR
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from .mpi_persistent import MPIPersistent
     from .shm import SharedPath
 
@@ -73,6 +72,19 @@ ndarray = np.ndarray
 
 _INT_MAX = 2**31 - 1
 _EMPTY = np.empty(0, np.uint8)
+
+#: the receive path (mpi_receive.py), imported by the first receive: init_process_group does not need it (nor
+#: mpi_reductions.py, imported by the first reduction that one MPI call cannot do, nor ulfm.py, by the first error)
+_rx: ModuleType | None = None
+
+
+def _receiving() -> ModuleType:
+    global _rx
+    from . import mpi_receive
+
+    _rx = mpi_receive
+    return mpi_receive
+
 
 #: the tag of destroy_process_group's agreement on the control communicator (see MPIBackend.agree_to_free)
 _FREE_TAG = 0x3B10
@@ -352,6 +364,8 @@ class MPIBackend(BaseBackend):
 
         A dead member (ULFM) gives a ``ProcessFailedError`` naming it, and the communicator is revoked so
         that the members blocked in other calls on it wake up too."""
+        from . import ulfm
+
         if ulfm.is_failure(exc):
             return self._process_failed(op, seq, exc)
         error = super().backend_error(op, seq, exc)
@@ -360,6 +374,8 @@ class MPIBackend(BaseBackend):
         return error
 
     def _process_failed(self, op: str, seq: int, exc: BaseException) -> ProcessFailedError:
+        from . import ulfm
+
         ulfm.revoke(self.comm)
         dead = ulfm.failed_members(self.comm, min(self.timeout_s, ulfm.REPORT_WAIT_S))
         ranks = [self.global_ranks[r] for r in dead] if self.global_ranks is not None else dead
@@ -459,6 +475,8 @@ class MPIBackend(BaseBackend):
     ) -> Work | None:
         """Run a reduction whose MPI call is ``start(send message, recv message, op)`` (see ``mpi_reductions.reduction_plan``);
         staged outputs are written back afterwards."""
+        from .mpi_reductions import reduction_plan
+
         try:
             smsg, rmsg, mop, prepare, finish, undo, bufs = reduction_plan(
                 fn, e, op, send, recv, in_place, self.size, self._types
@@ -825,7 +843,7 @@ class MPIBackend(BaseBackend):
                 raise self.backend_error("recv", self.p2p_seq, exc) from exc
             if type(got) is int:
                 return got
-        return finish_blocking_receive(self, got, buf, e, backs, peer, tag)
+        return (_rx or _receiving()).finish_blocking_receive(self, got, buf, e, backs, peer, tag)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Post the receive into ``buf`` at once (see :class:`~mpidist.backends.mpi_receive.Receive`)."""
@@ -833,31 +851,32 @@ class MPIBackend(BaseBackend):
         self.received += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         target = buf
+        rx = _rx or _receiving()
         if peer != self.rank and (peer is not None or self.size > 1):  # not from this rank itself (below)
             try:
                 req = self._calls.irecv(buf, ANY_SOURCE if peer is None else peer, tag)
             except MPI.Exception as exc:
                 raise self.backend_error("recv", self.p2p_seq, exc) from exc
             if req is not None:  # posted as bytes, as posted_receive does
-                return Receive(_REQUEST.fromhandle(req), buf, e, backs, self, peer, None, None, True)
-        elif not reports_self_truncation():
+                return rx.Receive(_REQUEST.fromhandle(req), buf, e, backs, self, peer, None, None, True)
+        elif not rx.reports_self_truncation():
             # Open MPI truncates a longer message from this rank to itself without an error:
             # receive into one element more, so that a longer message shows (copied on completion)
             target = np.empty(buf.size + 1, buf.dtype)
             world.stats.count_copy(buf.nbytes)
-        message, as_bytes = posted_receive(target, e.mpi)
+        message, as_bytes = rx.posted_receive(target, e.mpi)
         try:
             req = self.comm.Irecv(message, ANY_SOURCE if peer is None else peer, tag)
         except MPI.Exception as exc:
             raise self.backend_error("recv", self.p2p_seq, exc) from exc
-        return Receive(req, buf, e, backs, self, peer, None, None if target is buf else target, as_bytes)
+        return rx.Receive(req, buf, e, backs, self, peer, None, None if target is buf else target, as_bytes)
 
     def recv_blocking(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Match the message with a probe first, then receive it (see :class:`~mpidist.backends.mpi_receive.Receive`)."""
         self.p2p_seq += 1
         self.received += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
-        return Receive(None, buf, e, backs, self, peer, (self.comm, tag))
+        return (_rx or _receiving()).Receive(None, buf, e, backs, self, peer, (self.comm, tag))
 
     # -- persistent operations: MPI-4 persistent requests where every rank can make them ------------
     # (MPIPersistent returns None where the ranks agreed on BaseBackend's nonblocking plan)
