@@ -143,12 +143,19 @@ class _Phases:
         return f"init_process_group: rank {rank} of {size} in {self.last - self.start:.3f} s: {spent}"
 
 
-def _agree(comm: Any, local_error: str, fn: str) -> None:
-    """Raise the same ValueError on every rank if any rank found a problem."""
+def _agree(comm: Any, local_error: str, fn: str, offer: Any = None) -> Any:
+    """Raise the same ValueError on every rank if any rank found a problem; else return rank 0's ``offer``.
+
+    One reduction (O(log n)) of (problem?, rank 0?, offer) by MAX: ``offer`` (rank 0's only; the
+    default store's address, see ``_offer_store``) travels with the agreement instead of in a
+    broadcast of its own. The texts of the problems travel only when one failed.
+    """
     from mpi4py import MPI
 
-    if not comm.allreduce(bool(local_error), op=MPI.LOR):  # O(log n); the texts travel only when one failed
-        return
+    # only rank 0's tuple has True second, so ties never compare two offers
+    failed, _, offered = comm.allreduce((bool(local_error), comm.Get_rank() == 0, offer), op=MPI.MAX)
+    if not failed:
+        return offered
     errors = comm.allgather(local_error)
     bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     raise ValueError(f"{fn}: " + " | ".join(bad))
@@ -257,6 +264,7 @@ def init_process_group(
                 "start every rank with the same program and check for ranks that failed earlier"
             )
         phases.mark("Idup")
+        node = made = None  # the node split; the default store rank 0 opened
         try:
             mpi_rank, mpi_size = control.Get_rank(), control.Get_size()
             problem = _disagreements(claims, mpi_rank, mpi_size)
@@ -265,13 +273,23 @@ def init_process_group(
                 # the launcher started several processes but each is a world of one: each raises alone,
                 # named by the launcher's numbers (MPI calls every one of them rank 0)
                 raise ValueError(f"{fn}: {launcher_label()}{problem}")
-            _agree(control, problem, fn)
-            phases.mark("agreement on rank and size")
             node = control.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_rank)
             phases.mark("node split")
+            # the default store: on one node rank 0 opens it now, and its address and secret travel with the
+            # agreement (across nodes the address takes a collective of its own, below)
+            own_store = met is None and store is None
+            offer = None
+            if own_store and node.Get_size() == mpi_size and mpi_rank == 0:
+                offer, made = _offer_store("127.0.0.1", mpi_size, td)
+            offered = _agree(control, problem, fn, offer)
+            phases.mark("agreement on rank and size")  # and the default store's address
             data = MPI.COMM_WORLD.Dup()
             phases.mark("Dup")
         except BaseException:
+            if made is not None:
+                made.close()
+            if node is not None:
+                node.Free()
             control.Free()
             raise
         world.control_comm = control
@@ -288,7 +306,12 @@ def init_process_group(
         world.control = MPIBackend(control, td.total_seconds(), "world", global_ranks=list(range(mpi_size)))
         phases.mark("control backend")
         try:
-            world.store = met or store or _open_default_store(control, node.Get_size() == mpi_size, td)
+            if not own_store:
+                world.store = met or store
+            elif offered is not None:
+                world.store = _take_store(offered, made, mpi_size, td)
+            else:
+                world.store = _open_default_store(control, node.Get_size() == mpi_size, td)
             world.init_info.own_store = store is None
             phases.mark("default store")
             pg = make_group(
@@ -374,26 +397,33 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     one, no rank has a default store and ``get_default_store()`` says why; the
     process group works regardless.
     """
+    host = root_address(comm, single_node)
+    found, made = _offer_store(host, comm.Get_size(), timeout) if comm.Get_rank() == 0 else (None, None)
+    return _take_store(comm.bcast(found, root=0), made, comm.Get_size(), timeout)  # the secret travels over MPI only
+
+
+def _offer_store(host: str | None, size: int, timeout: timedelta) -> tuple[tuple[str, Any, bytes], Any]:
+    """Rank 0 opens the default TCPStore on ``host``: ((error, (host, port), secret), the store or None)."""
     from .store import TCPStore
 
-    host = root_address(comm, single_node)
-    found: tuple[str, Any, bytes] = ("", None, b"")
-    made = None
-    if comm.Get_rank() == 0:
-        try:
-            if host is None:
-                raise RuntimeError(
-                    "the ranks span several hosts, but rank 0's host has no address other than loopback that they "
-                    "reach; set MASTER_ADDR to an address of rank 0's host"
-                )
-            secret = new_secret()
-            made = TCPStore(
-                host, 0, comm.Get_size(), True, timeout, wait_for_workers=False, secret=secret, _connect_later=True
+    try:
+        if host is None:
+            raise RuntimeError(
+                "the ranks span several hosts, but rank 0's host has no address other than loopback that they "
+                "reach; set MASTER_ADDR to an address of rank 0's host"
             )
-            found = ("", (host, made.port), secret)
-        except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank
-            found = (f"{type(exc).__name__}: {exc}", None, b"")
-    error, address, secret = comm.bcast(found, root=0)  # the secret travels over MPI only
+        secret = new_secret()
+        made = TCPStore(host, 0, size, True, timeout, wait_for_workers=False, secret=secret, _connect_later=True)
+        return ("", (host, made.port), secret), made
+    except Exception as exc:  # noqa: BLE001 - any failure: report it on every rank
+        return (f"{type(exc).__name__}: {exc}", None, b""), None
+
+
+def _take_store(found: tuple[str, Any, bytes], made: Any, size: int, timeout: timedelta) -> Any:
+    """Every rank: the default store from rank 0's offer (``made`` on rank 0), or None with the error kept."""
+    from .store import TCPStore
+
+    error, address, secret = found
     if error:
         world.init_info.store_error = error
         return None
@@ -403,7 +433,7 @@ def _open_default_store(comm: Any, single_node: bool, timeout: timedelta) -> Any
     # rank 0's server to shake hands with every rank in turn (many programs never use the store; the
     # stall diagnosis of a timeout does)
     return TCPStore(
-        address[0], address[1], comm.Get_size(), False, timeout, wait_for_workers=False, secret=secret,
+        address[0], address[1], size, False, timeout, wait_for_workers=False, secret=secret,
         _connect_later=True,
     )  # fmt: skip
 
