@@ -52,14 +52,14 @@ from .mpi_types import (
     count_limit_note,
     type_table,
 )  # fmt: skip
-from .shm_choice import CLASSES, SHARED, TRIAL, Chooser
-from .shm_tuning import NEVER, SETUP_FLOOR
+from .shm_tuning import CLASSES, NEVER, SETUP_FLOOR, SHARED, TRIAL
 
 if TYPE_CHECKING:
     from types import ModuleType
 
     from .mpi_persistent import MPIPersistent
     from .shm import SharedPath
+    from .shm_choice import Chooser
 
 __all__ = ["MPIBackend", "type_table"]
 
@@ -394,6 +394,7 @@ class MPIBackend(BaseBackend):
         path = self._shm
         if path is None and self._shm_from < NEVER:
             from .shm import SharedPath  # imported on first use: init_process_group's cost grows with ranks per core
+            from .shm_choice import Chooser
 
             path = self._shm = SharedPath.setup(self, fn)
             self._shm_from = NEVER if path is None else path.smallest

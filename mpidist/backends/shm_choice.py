@@ -60,18 +60,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ..work import poll
-from .shm_tuning import NEVER, Range
+from .shm_tuning import CLASSES, MPI_CALL, NEVER, SHARED, TRIAL, Range
 
 __all__ = [
-    "Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "WARM", "SAMPLES", "ROUND", "AGREE_LAG", "CHOSEN_AT", "MARGIN",
-    "PRIOR_MARGIN",
+    "Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "CLASSES", "WARM", "SAMPLES", "ROUND", "AGREE_LAG",
+    "CHOSEN_AT", "MARGIN", "PRIOR_MARGIN",
 ]  # fmt: skip
 
 _log = logging.getLogger("mpidist")
 _perf = time.perf_counter
 
-#: what a call takes: MPI's own call, the shared-memory path, or a measured call of either (see Chooser.next)
-MPI_CALL, SHARED, TRIAL = 0, 1, 2
 #: calls of each block run untimed (the switch from the other path, and the first use of new memory)
 WARM = 1
 #: blocks of each path, interleaved, each with one timed call, before the ranks agree
@@ -91,8 +89,6 @@ PRIOR_MARGIN = 1.0
 #: calls of a class between its choice and its next measurement; doubles after each, up to RECHECK_LAST
 RECHECK_FIRST = 256
 RECHECK_LAST = 1 << 14
-#: the size classes: a call of n bytes is in class n.bit_length() (2**(k-1) <= n < 2**k)
-CLASSES = 64
 #: a test hook: this rank's timings of (MPI's call, shared memory) are multiplied by these factors
 skew = (1.0, 1.0)
 

@@ -40,8 +40,8 @@ from typing import Any
 from .._validate import env_flag
 
 __all__ = [
-    "COLLECTIVES", "NEVER", "SETUP_FLOOR", "Range", "overrides", "prior", "enabled", "tune_file", "read_table",
-    "write_table", "parse_size", "parse_range", "node_budget", "NODE_BUDGET_MAX",
+    "COLLECTIVES", "NEVER", "SETUP_FLOOR", "MPI_CALL", "SHARED", "TRIAL", "CLASSES", "Range", "overrides", "prior",
+    "enabled", "tune_file", "read_table", "write_table", "parse_size", "parse_range", "node_budget", "NODE_BUDGET_MAX",
 ]  # fmt: skip
 
 #: the collectives the shared-memory path runs, in the order of the set-up agreement
@@ -51,6 +51,12 @@ NEVER = 1 << 62
 #: No threshold is below this. A group sets the path up on its first call of at least this size
 #: (a size every rank passes alike, so every rank sets up in the same call).
 SETUP_FLOOR = 16 << 10
+
+#: what a call takes: MPI's own call, the shared-memory path, or a measured call of either (shm_choice.Chooser.next);
+#: here, not in shm_choice.py, so that the MPI backend reads them without importing the measuring at start-up
+MPI_CALL, SHARED, TRIAL = 0, 1, 2
+#: the size classes of the measured choice: a call of n bytes is in class n.bit_length() (2**(k-1) <= n < 2**k)
+CLASSES = 64
 
 #: a range of message sizes in bytes: (from, up to), both included
 Range = tuple[int, int]
