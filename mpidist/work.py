@@ -500,7 +500,7 @@ class Work:
             array([2., 2.])  # rank 0 and rank 1
         """
         if not self._done:
-            limit = timeout_seconds(timeout, "Work.wait", self._timeout)
+            limit = self._timeout if timeout is None else timeout_seconds(timeout, "Work.wait", self._timeout)
             try:  # one test first (a small operation is often complete), as poll would; else poll
                 finished = self._test()
                 if not finished:
