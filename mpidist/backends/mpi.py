@@ -153,6 +153,16 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
     return True
 
 
+class Sent(Work):
+    """The Work of an ``isend``: ``wait``'s first test is up to the owner's ``c_spins`` tests in C
+    (``Direct.wait``, without Python between them; one ``Test`` where C is off), then the poll of any Work."""
+
+    __slots__ = ("_calls", "_spins")
+
+    def _first_test(self) -> bool:
+        return self._calls.wait(self._reqs[0], None, self._spins)
+
+
 class MPIBackend(BaseBackend):
     """Backend over one private MPI communicator (see the module docstring).
 
@@ -785,7 +795,9 @@ class MPIBackend(BaseBackend):
             raise self.backend_error("send", self.p2p_seq, exc) from exc
         if type(req) is int:
             req = _REQUEST.fromhandle(req)
-        return Work([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
+        w = Sent([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
+        w._calls, w._spins = self._calls, self.c_spins
+        return w
 
     def send_and_wait(self, buf: ndarray, peer: int, tag: int) -> None:
         self.p2p_seq += 1
@@ -809,15 +821,15 @@ class MPIBackend(BaseBackend):
         ``_direct_p2p.c`` and :class:`~mpidist.backends.mpi_receive.Receive`); return the source's group rank."""
         self.p2p_seq += 1
         self.received += 1
-        e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         got = None
-        if backs is None:
+        if backs is None:  # (the C call takes bytes: the dtype is looked up only past it)
             try:
                 got = self._calls.recv(buf, ANY_SOURCE if peer is None else peer, tag, self.c_spins)
             except MPI.Exception as exc:
                 raise self.backend_error("recv", self.p2p_seq, exc) from exc
             if type(got) is int:
                 return got
+        e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         return finish_blocking_receive(self, got, buf, e, backs, peer, tag)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
