@@ -89,6 +89,7 @@ class World:
         # bytes of shared-memory segments this rank's groups hold, its part of each (backends/shm.py: the node's
         # budget); kept across reset, as a group left pending keeps its segment
         self.shm_share = 0
+        self.rx: Any = None  # backends/mpi_receive.py, imported by the first receive (backends/mpi.py's _receiving)
         self.staging_warned = False  # the one-time warning about staging device arrays through host memory
         self.direct: Any = None  # backends.direct.DirectState: whether the MPI backend calls MPI directly (once)
         self.nccl_ok: bool | None = None  # cupy NCCL + a GPU here (backends.registry.nccl_available)

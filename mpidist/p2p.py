@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from numpy import ndarray
+
 from ._args import tag_value
+from ._world import world
+from .arrays.dtypes import DTYPES
 from .arrays.host import Buffer, adapt, prepare_input, prepare_output
 from .process_group import Backs, ProcessGroup, resolve_group
 from .work import Work
@@ -21,6 +25,13 @@ __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
 _DST = ("dst", "group_dst")
 _SRC = ("src", "group_src")
+
+# The common case, decided in a few operations before any function call: a C-contiguous numpy array
+# of a supported dtype (what prepare_input/prepare_output return as they are), an int global rank of
+# the default group other than this rank, an int tag in range, and the group's host route (process_group.py's
+# table of the common case; empty once the group refuses calls). Anything else, every bad input among
+# it, takes the general path below, which raises the errors: the fast path never raises one of its own.
+# ``_group_of``/``_route``/``_rank`` are ProcessGroup's own tables (what root_rank and the route read).
 
 
 def _not_self(pg: ProcessGroup, peer: int, fn: str, what: str) -> None:
@@ -84,6 +95,12 @@ def isend(
         array([1, 1])  # rank 0
         array([0, 0])  # rank 1
     """
+    if group is None and group_dst is None and type(tensor) is ndarray and type(dst) is int and type(tag) is int:
+        pg = world.default_pg  # the fast path (above)
+        if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
+            peer = pg._group_of.get(dst)
+            if peer is not None and ndarray in pg._route and tensor.flags.c_contiguous:
+                return pg.send(tensor, peer, tag).with_outputs([tensor])
     pg = resolve_group(group, "isend")
     if pg is None:
         return None
@@ -133,6 +150,14 @@ def irecv(
         array([0., 0., 0.])  # rank 0
         array([1., 1., 1.])  # rank 1
     """
+    if group is None and group_src is None and type(tensor) is ndarray and type(tag) is int:
+        pg = world.default_pg  # the fast path (above)
+        if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
+            peer = None if src is None else pg._group_of.get(src) if type(src) is int else None
+            if (peer is not None or src is None) and ndarray in pg._route:
+                f = tensor.flags
+                if f.c_contiguous and f.writeable:
+                    return pg.recv(tensor, None, peer, tag).with_outputs([tensor])
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None
@@ -176,6 +201,14 @@ def send(
         >>> x
         array([0., 1., 2., 3.])  # rank 0 and rank 1
     """
+    if group is None and group_dst is None and type(tensor) is ndarray and type(dst) is int and type(tag) is int:
+        pg = world.default_pg  # the fast path (above)
+        if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
+            peer = pg._group_of.get(dst)
+            levels = pg._route.get(ndarray)
+            if peer is not None and levels is not None and peer != pg._rank and tensor.flags.c_contiguous:
+                levels[world.debug_level].send_and_wait(tensor, peer, tag)
+                return None
     pg = resolve_group(group, "send")
     if pg is None:
         return None
@@ -228,6 +261,15 @@ def recv(
         >>> x
         array([1., 2.])  # rank 0 and rank 1
     """
+    if group is None and group_src is None and type(tensor) is ndarray and type(tag) is int:
+        pg = world.default_pg  # the fast path (above)
+        if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
+            peer = None if src is None else pg._group_of.get(src) if type(src) is int else None
+            levels = pg._route.get(ndarray)
+            if (src is None or peer is not None and peer != pg._rank) and levels is not None:
+                f = tensor.flags
+                if f.c_contiguous and f.writeable:
+                    return pg.ranks[levels[world.debug_level].recv_and_wait(tensor, None, peer, tag)]
     pg = resolve_group(group, "recv")
     if pg is None:
         return -1

@@ -437,6 +437,10 @@ class Work:
             return reqs[0].Test()
         return reqs[0].Testall(reqs)
 
+    def _first_test(self) -> bool:
+        """The first test of ``wait``: one ``_test`` (a subclass may test longer, in C, before the poll)."""
+        return self._test()
+
     def is_completed(self) -> bool:
         """Return True once the operation has finished; each call makes MPI progress.
 
@@ -500,9 +504,9 @@ class Work:
             array([2., 2.])  # rank 0 and rank 1
         """
         if not self._done:
-            limit = timeout_seconds(timeout, "Work.wait", self._timeout)
+            limit = self._timeout if timeout is None else timeout_seconds(timeout, "Work.wait", self._timeout)
             try:  # one test first (a small operation is often complete), as poll would; else poll
-                finished = self._test()
+                finished = self._first_test()
                 if not finished:
                     owner = self._owner
                     activity = (getattr(owner, "group_name", "?"), self._op, self._seq)

@@ -28,7 +28,15 @@
  *     (source, nbytes)       small: complete, but nbytes arrived (-1: more than the scratch buffer
  *                            holds); buf untouched;
  *     (source, nbytes, msg)  large: a message of nbytes matched (an MPI_Message handle), not received.
+ * wait(request, status, spins)            the first test of a Work's wait (work.py, mpi_receive.py): tests the
+ *                                          mpi4py Request `request` up to `spins` times as `spin` does (GIL
+ *                                          released), in place, as its own Test would (the handle becomes
+ *                                          MPI_REQUEST_NULL on completion); `status` (an mpi4py Status, or
+ *                                          None) gets the completed one's MPI_Status. True once complete, else
+ *                                          False; an MPI error raises mpi4py.MPI.Exception, as Test does.
  */
+
+static void *capi_function(PyObject *capi, const char *name, const char *signature); /* _direct.c */
 
 /* the blocking recv's routes: through the scratch buffer up to P.scratch_max bytes (bind_p2p's argument:
  * 16 KiB, or 0 where a truncated receive is unsafe); the buffer holds more, so that a slightly longer
@@ -42,6 +50,9 @@ static struct {
     int err_truncate; /* the error class MPI_ERR_TRUNCATE */
     int source_at;    /* the byte offset of MPI_SOURCE in an MPI_Status */
     int scratch_max;  /* the largest blocking recv (bytes) through the scratch buffer */
+    PyTypeObject *request, *status;      /* mpi4py.MPI.Request and Status */
+    void *(*request_get)(PyObject *);    /* mpi4py's PyMPIRequest_Get: the MPI_Request inside a Request */
+    void *(*status_get)(PyObject *);     /* mpi4py's PyMPIStatus_Get: the MPI_Status inside a Status */
 } P;
 
 /* Each call once per handle ABI (T: the C type of MPI handles, MPI_Message included) */
@@ -209,19 +220,46 @@ static PyObject *direct_recv(Direct *self, PyObject *const *args, Py_ssize_t nar
     return recv_large(self, b, n, peer, tag, spins);
 }
 
-#define P2P_METHODS M(send), M(irecv), M(recv)
+/* wait(request, status, spins) */
+static PyObject *direct_wait(Direct *self, PyObject *const *args, Py_ssize_t nargs) {
+    int spins;
+    if (!P.bound || nargs != 3 || !PyObject_TypeCheck(args[0], P.request) ||
+        (args[1] != Py_None && !PyObject_TypeCheck(args[1], P.status)) || !small_int(args[2], &spins))
+        return fallback(self, "wait", args, nargs);
+    void *q = P.request_get(args[0]); /* the MPI_Request inside the object: tested in place */
+    void *status = args[1] == Py_None ? NULL : P.status_get(args[1]);
+    if (q == NULL || (args[1] != Py_None && status == NULL)) return NULL; /* excluded by the type checks */
+    H req = S.int_handles ? (H)(*(int *)q) : (H)(*(void **)q);
+    int rc, done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = spin(&req, spins, &done, status);
+    Py_END_ALLOW_THREADS
+    if (S.int_handles)
+        *(int *)q = (int)req;
+    else
+        *(void **)q = (void *)req;
+    if (rc != 0) return raise_mpi(rc);
+    return PyBool_FromLong(done);
+}
 
-/* bind_p2p(library, byte, err_truncate, source_at, scratch_max): find the point-to-point functions in
- * `library` (after bind); `byte` is mpi4py.MPI.BYTE; `source_at` the byte offset of MPI_SOURCE in an
- * MPI_Status (direct.py finds it with mpi4py's Status.Set_source); `scratch_max` the largest blocking recv
- * (bytes) that takes the scratch route (0: none, every recv probes). Returns None, or raises OSError
- * naming what is missing. */
+#define P2P_METHODS M(send), M(irecv), M(recv), M(wait)
+
+/* bind_p2p(library, byte, err_truncate, source_at, scratch_max, Request, Status, capi): find the
+ * point-to-point functions in `library` (after bind); `byte` is mpi4py.MPI.BYTE; `source_at` the byte offset
+ * of MPI_SOURCE in an MPI_Status (direct.py finds it with mpi4py's Status.Set_source); `scratch_max` the
+ * largest blocking recv (bytes) that takes the scratch route (0: none, every recv probes); `Request` and
+ * `Status` are mpi4py's classes, whose C objects `wait` reads through the getters of `capi`
+ * (mpi4py.MPI.__pyx_capi__). Returns None, or raises OSError naming what is missing. */
 static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     const char *library;
-    PyObject *byte;
+    PyObject *byte, *request, *status, *capi;
     int err_truncate, source_at, scratch_max;
-    if (!PyArg_ParseTuple(args, "sOiii:bind_p2p", &library, &byte, &err_truncate, &source_at, &scratch_max))
+    if (!PyArg_ParseTuple(args, "sOiiiO!O!O!:bind_p2p", &library, &byte, &err_truncate, &source_at, &scratch_max,
+                          &PyType_Type, &request, &PyType_Type, &status, &PyDict_Type, &capi))
         return NULL;
+    void *request_get = capi_function(capi, "PyMPIRequest_Get", "MPI_Request *(PyObject *)");
+    void *status_get = request_get ? capi_function(capi, "PyMPIStatus_Get", "MPI_Status *(PyObject *)") : NULL;
+    if (status_get == NULL) return NULL;
     if (scratch_max < 0 || scratch_max > SCRATCH_CAP / 2) {
         PyErr_SetString(PyExc_ValueError, "bind_p2p: scratch_max must be in 0..SCRATCH_CAP/2");
         return NULL;
@@ -254,9 +292,15 @@ static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     P.err_truncate = err_truncate;
     P.source_at = source_at;
     P.scratch_max = scratch_max;
+    P.request_get = (void *(*)(PyObject *))request_get;
+    P.status_get = (void *(*)(PyObject *))status_get;
+    Py_INCREF(request);
+    Py_INCREF(status);
+    Py_XSETREF(P.request, (PyTypeObject *)request);
+    Py_XSETREF(P.status, (PyTypeObject *)status);
     P.bound = 1;
     Py_RETURN_NONE;
 }
 
 #define P2P_MODULE_METHODS \
-    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at, scratch_max)"}
+    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at, scratch_max, Request, Status, capi)"}

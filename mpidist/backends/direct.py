@@ -101,6 +101,10 @@ class MPI4pyCalls:
         """None: nothing posted or matched; the backend's matched receive takes the message."""
         return None
 
+    def wait(self, request: MPI.Request, status: MPI.Status | None, spins: int) -> bool:
+        """One test of ``request`` (the first test of a Work's wait; the Python poll continues)."""
+        return request.Test(status)
+
 
 class DirectState:
     """Whether this process calls MPI directly, and why not (``world.direct``, decided once)."""
@@ -166,7 +170,9 @@ def _bind() -> DirectState:
             MPI.Exception,
             capi,
         )
-        _direct.bind_p2p(MPI.__file__, MPI.BYTE, MPI.ERR_TRUNCATE, _source_offset(), scratch_max())
+        _direct.bind_p2p(
+            MPI.__file__, MPI.BYTE, MPI.ERR_TRUNCATE, _source_offset(), scratch_max(), MPI.Request, MPI.Status, capi
+        )
     except (OSError, ValueError) as exc:
         return DirectState(None, str(exc))
     problem = _self_check(_direct)
@@ -217,4 +223,13 @@ def _self_check(module: Any) -> str:
         return f"a check on COMM_SELF failed: {exc}"
     if pending is not None or a.tolist() != [3, -2, 7] or out.tolist() != [3, -2, 7]:
         return "a check on COMM_SELF gave another result than mpi4py"
+    status, got = MPI.Status(), np.zeros(3, np.int64)
+    try:  # wait: tests mpi4py's request in place and fills its status
+        req = comm.Irecv([got, MPI.INT64_T], 0, 5)
+        comm.Isend([a, MPI.INT64_T], 0, 5).Wait()
+        done = calls.wait(req, status, many)
+    except MPI.Exception as exc:
+        return f"a check of wait on COMM_SELF failed: {exc}"
+    if not done or req != MPI.REQUEST_NULL or status.Get_count(MPI.INT64_T) != 3 or got.tolist() != [3, -2, 7]:
+        return "wait on COMM_SELF gave another result than mpi4py's Test"
     return ""

@@ -73,16 +73,13 @@ ndarray = np.ndarray
 _INT_MAX = 2**31 - 1
 _EMPTY = np.empty(0, np.uint8)
 
-#: the receive path (mpi_receive.py), imported by the first receive: init_process_group does not need it (nor
-#: mpi_reductions.py, imported by the first reduction that one MPI call cannot do, nor ulfm.py, by the first error)
-_rx: ModuleType | None = None
-
-
 def _receiving() -> ModuleType:
-    global _rx
+    """The receive path (mpi_receive.py), imported by the first receive and kept in ``world.rx``: init_process_group
+    does not need it (nor mpi_reductions.py, imported by the first reduction that one MPI call cannot do, nor
+    ulfm.py, by the first error)."""
     from . import mpi_receive
 
-    _rx = mpi_receive
+    world.rx = mpi_receive
     return mpi_receive
 
 
@@ -163,6 +160,16 @@ def _consecutive(arrays: Sequence[ndarray]) -> bool:
             return False
         addr = start + a.nbytes
     return True
+
+
+class Sent(Work):
+    """The Work of an ``isend``: ``wait``'s first test is up to the owner's ``c_spins`` tests in C
+    (``Direct.wait``, without Python between them; one ``Test`` where C is off), then the poll of any Work."""
+
+    __slots__ = ("_calls", "_spins")
+
+    def _first_test(self) -> bool:
+        return self._calls.wait(self._reqs[0], None, self._spins)
 
 
 class MPIBackend(BaseBackend):
@@ -811,7 +818,9 @@ class MPIBackend(BaseBackend):
             raise self.backend_error("send", self.p2p_seq, exc) from exc
         if type(req) is int:
             req = _REQUEST.fromhandle(req)
-        return Work([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
+        w = Sent([req], None, buf, "send", self, self.p2p_seq, self.timeout_s)
+        w._calls, w._spins = self._calls, self.c_spins
+        return w
 
     def send_and_wait(self, buf: ndarray, peer: int, tag: int) -> None:
         self.p2p_seq += 1
@@ -835,16 +844,16 @@ class MPIBackend(BaseBackend):
         ``_direct_p2p.c`` and :class:`~mpidist.backends.mpi_receive.Receive`); return the source's group rank."""
         self.p2p_seq += 1
         self.received += 1
-        e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         got = None
-        if backs is None:
+        if backs is None:  # (the C call takes bytes: the dtype is looked up only past it)
             try:
                 got = self._calls.recv(buf, ANY_SOURCE if peer is None else peer, tag, self.c_spins)
             except MPI.Exception as exc:
                 raise self.backend_error("recv", self.p2p_seq, exc) from exc
             if type(got) is int:
                 return got
-        return (_rx or _receiving()).finish_blocking_receive(self, got, buf, e, backs, peer, tag)
+        e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
+        return (world.rx or _receiving()).finish_blocking_receive(self, got, buf, e, backs, peer, tag)
 
     def recv(self, buf: ndarray, backs: Any, peer: int | None, tag: int) -> Work:
         """Post the receive into ``buf`` at once (see :class:`~mpidist.backends.mpi_receive.Receive`)."""
@@ -852,7 +861,7 @@ class MPIBackend(BaseBackend):
         self.received += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         target = buf
-        rx = _rx or _receiving()
+        rx = world.rx or _receiving()
         if peer != self.rank and (peer is not None or self.size > 1):  # not from this rank itself (below)
             try:
                 req = self._calls.irecv(buf, ANY_SOURCE if peer is None else peer, tag)
@@ -877,7 +886,7 @@ class MPIBackend(BaseBackend):
         self.p2p_seq += 1
         self.received += 1
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
-        return (_rx or _receiving()).Receive(None, buf, e, backs, self, peer, (self.comm, tag))
+        return (world.rx or _receiving()).Receive(None, buf, e, backs, self, peer, (self.comm, tag))
 
     # -- persistent operations: MPI-4 persistent requests where every rank can make them ------------
     # (MPIPersistent returns None where the ranks agreed on BaseBackend's nonblocking plan)

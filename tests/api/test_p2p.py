@@ -700,3 +700,91 @@ def test_p2p_on_destroyed_group_raises(make, rank):
 def test_group_of_wrong_type_raises_type_error(make, rank):
     with pytest.raises(TypeError):
         dist.isend(make.zeros(1), dst=rank, group="world")
+
+
+# ---------------------------------------------------------------------------------------------
+# the common case's fast path (p2p.py): it takes only what the general path takes as it is
+# ---------------------------------------------------------------------------------------------
+
+
+def _bad_calls(rank: int, n: int) -> list[tuple[str, Any, dict]]:
+    """Calls every route must refuse before any MPI call: (function, tensor, keywords)."""
+    peer, readonly = (rank + 1) % n, np.zeros(3)
+    readonly.flags.writeable = False
+    calls: list[tuple[str, Any, dict]] = []
+    for fn in ("send", "recv", "isend", "irecv"):
+        key = "dst" if "send" in fn else "src"
+        other = "group_dst" if "send" in fn else "group_src"
+        x = np.zeros(3)
+        calls += [
+            (fn, [1.0, 2.0, 3.0], {key: peer}),
+            (fn, np.ma.masked_array(np.zeros(3)), {key: peer}),
+            (fn, np.array([object()] * 3, dtype=object), {key: peer}),
+            (fn, np.zeros(3, "U2"), {key: peer}),
+            (fn, x, {key: n}),  # not a member
+            (fn, x, {key: -1}),
+            (fn, x, {key: float(peer)}),
+            (fn, x, {key: str(peer)}),
+            (fn, x, {key: peer, other: 0}),  # both
+            (fn, x, {key: peer, "tag": -1}),
+            (fn, x, {key: peer, "tag": TAG_UB + 1}),
+            (fn, x, {key: peer, "tag": 1.0}),
+            (fn, x, {key: peer, "tag": True}),
+            (fn, x, {key: peer, "tag": "0"}),
+        ]
+        if "send" in fn:
+            calls.append((fn, x, {}))  # no destination
+        else:
+            calls.append((fn, readonly, {key: peer}))
+            calls.append((fn, readonly, {}))  # any source
+        if fn in ("send", "recv"):
+            calls.append((fn, x, {key: rank}))  # to/from itself: would deadlock
+    return calls
+
+
+def _refusal(fn: str, tensor: Any, kw: dict) -> tuple[type, str]:
+    try:
+        getattr(dist, fn)(tensor, **kw)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return type(exc), str(exc)
+    raise AssertionError(f"{fn}({tensor!r}, {kw}) did not raise")
+
+
+def test_fast_path_refuses_each_bad_input_as_the_general_path(rank, world_size):
+    # group=None may take the fast path; group=dist.group.WORLD (the same group) always takes the general one
+    for fn, tensor, kw in _bad_calls(rank, world_size):
+        fast = _refusal(fn, tensor, kw)
+        general = _refusal(fn, tensor, {**kw, "group": dist.group.WORLD})
+        assert fast == general, (fn, kw, fast, general)
+    # nothing was posted: an exchange still pairs up
+    out, inp = np.full(2, float(rank)), np.zeros(2)
+    rw = dist.irecv(inp, src=prv(rank, world_size))
+    dist.isend(out, dst=nxt(rank, world_size)).wait()
+    rw.wait()
+    assert_equal(inp, np.full(2, float(prv(rank, world_size))))
+
+
+def test_common_case_takes_the_fast_path(monkeypatch, rank, world_size):
+    # a ready numpy array to an int rank of the default group never reaches the general path's checks
+    from mpidist import p2p
+
+    def general(*args: Any) -> None:
+        raise AssertionError("the general path ran")
+
+    for name in ("resolve_group", "prepare_input", "prepare_output", "tag_value"):
+        monkeypatch.setattr(p2p, name, general)
+    out, inp = np.arange(4.0) + rank, np.zeros(4)
+    rw = dist.irecv(inp, src=prv(rank, world_size), tag=3)
+    assert dist.isend(out, dst=nxt(rank, world_size), tag=3).wait()
+    assert rw.wait() and rw.result()[0] is inp
+    assert_equal(inp, np.arange(4.0) + prv(rank, world_size))
+    if world_size > 1:
+        got = np.zeros(4)
+        for tag, src in ((0, prv(rank, world_size)), (TAG_UB, None)):  # a peer, and any source
+            if rank % 2 == 0:
+                dist.send(out, dst=nxt(rank, world_size), tag=tag)
+                assert dist.recv(got, src=src, tag=tag) == prv(rank, world_size)
+            else:
+                assert dist.recv(got, src=src, tag=tag) == prv(rank, world_size)
+                dist.send(out, dst=nxt(rank, world_size), tag=tag)
+            assert_equal(got, np.arange(4.0) + prv(rank, world_size))

@@ -153,3 +153,21 @@ def test_a_staged_and_a_read_only_array_keep_their_rules_on_both_routes(two_grou
             frozen.flags.writeable = False
             c.raises(ValueError, "read-only", dist.recv, frozen, src=0, group=g)
     c.done()
+
+
+def test_wait_tests_mpi4py_s_request_in_place_and_fills_its_status(rank):
+    # Work.wait's first test (Sent, Receive): Direct.wait on an mpi4py Request, as its own Test would
+    comm = MPI.COMM_SELF
+    calls = direct_module.make_calls(comm)
+    status, got = MPI.Status(), np.zeros(3)
+    req = comm.Irecv([got, MPI.DOUBLE], 0, 9)
+    assert calls.wait(req, status, 4) is False  # nothing sent yet: still pending
+    assert calls.wait(req, None, -2) is False  # the yielding tests (more ranks than cores) end too
+    assert req != MPI.REQUEST_NULL
+    comm.Isend([np.arange(3.0) + rank, MPI.DOUBLE], 0, 9).Wait()
+    assert calls.wait(req, status, 1 << 20) is True
+    assert req == MPI.REQUEST_NULL  # completed in place: the handle is freed, as after Test
+    assert (status.Get_source(), status.Get_tag(), status.Get_count(MPI.DOUBLE)) == (0, 9, 3)
+    assert got.tolist() == [rank, rank + 1.0, rank + 2.0]
+    assert calls.wait(req, None, 1) is True  # a null request is complete
+    assert calls.wait(req, status, 2.5) is True  # an argument C does not take: mpi4py's Test
