@@ -16,7 +16,9 @@ process where MPI has not started, against MPI's own start (``MPI.Init_thread``)
 ``Dup`` of the world; both after the same imports (``import mpidist`` included, so that the
 ranks reach MPI's start as unevenly in both), each the slowest rank's time; medians over
 ``--launches`` launches of each. ``MPIDIST_DEBUG=INFO`` prints where mpidist's start-up
-time went.
+time went. mpidist's bytecode is written first, as pip writes it when it installs a package
+(``--no-compile``: not, so that under ``PYTHONDONTWRITEBYTECODE=1`` every rank compiles what it
+imports at every start).
 
 ``--hosts H`` runs the same across H simulated hosts (``tools/cluster/hosts.sh``, needs
 root; MPICH's hydra over ``tools/cluster/fake_ssh``), N/H ranks per host. It brings the
@@ -30,6 +32,7 @@ one run (the ratio column) rather than across runs.
 from __future__ import annotations
 
 import argparse
+import compileall
 import importlib.util
 import json
 import os
@@ -184,6 +187,10 @@ def main() -> None:
     ap.add_argument("--no-startup", action="store_true", help="time the calls only")
     ap.add_argument("--no-calls", action="store_true", help="time the start-up only")
     ap.add_argument("--before", help="another checkout of mpidist (its root): its calls in the same trials")
+    ap.add_argument(
+        "--no-compile", action="store_true",
+        help="time start-up with mpidist's bytecode not written beforehand (each rank compiles what it imports)",
+    )  # fmt: skip
     ap.add_argument("--worker", choices=["calls", "start-mpidist", "start-raw"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker == "calls":
@@ -192,6 +199,10 @@ def main() -> None:
         return worker_start(a.worker.split("-")[1])
 
     env = clean_env()
+    if not a.no_startup and not a.no_compile:
+        # as pip installs a package: its bytecode written once, so a rank's start loads it rather than compiling it
+        # each time (an editable checkout under PYTHONDONTWRITEBYTECODE=1, as here, compiles at every start)
+        compileall.compile_dir(str(Path(__file__).resolve().parents[1] / "mpidist"), quiet=1)
     if a.hosts:
         env.setdefault("MPIDIST_CLUSTER_PREFIX", "mpb")
         env.setdefault("MPIDIST_CLUSTER_NET", "10.213.9")
