@@ -7,7 +7,6 @@ import time
 from datetime import timedelta
 
 import numpy as np
-
 import pytest
 from mpi4py import MPI
 
