@@ -17,7 +17,8 @@ that share a node map one shared segment and move each chunk of a message once:
   and reduces its own block straight into its output.
 
 A message goes in chunks (:data:`CHUNK` bytes, or less where the node's budget is
-tight, down to :data:`MIN_CHUNK`) through two slots per rank (double buffering), so one phase of a chunk overlaps the next chunk's copy. Ranks announce
+tight, down to :data:`MIN_CHUNK`) through two slots per rank (double buffering), so
+one phase of a chunk overlaps the next chunk's copy. Ranks announce
 each phase by raising a counter in the segment (``_shm.c``: a release store, read
 with acquire loads) and numbered chunks never repeat, so no counter is ever reset.
 
