@@ -137,6 +137,9 @@ def worker_start(kind: str) -> None:
         print("RESULT " + json.dumps({"kind": kind, "seconds": worst}), flush=True)
     if kind == "mpidist":
         dist.destroy_process_group()
+    # rc.initialize = False above leaves finalizing to this program (mpi4py's rule): unfinalized, every job left
+    # one of MPICH's segments in /dev/shm
+    MPI.Finalize()
 
 
 # -- the driver ------------------------------------------------------------------------------------
