@@ -431,7 +431,7 @@ class NCCLBase(BaseBackend):
         if not finished:
             self.keep_stuck(event, keep)
             error = self.timeout_failure(fn, seq, limit)
-            self._abort(f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out")
+            self._abort(self._timed_out(fn, seq, limit))
             raise error
 
     def failed(self, fn: str, seq: int, event: Any, keep: Any, exc: BaseException) -> DistBackendError:
@@ -439,6 +439,16 @@ class NCCLBase(BaseBackend):
         self.keep_stuck(event, keep)
         self._abort(f"its NCCL communicator was aborted after {fn} (call #{seq}) failed: {exc}")
         return self.backend_error(fn, seq, exc)
+
+    def _timed_out(self, fn: str, seq: int, limit: float) -> str:
+        """Why the group broke when a call outlived its timeout.
+
+        The host wait and the watchdog may both see it first: they give one reason.
+        """
+        return (
+            f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out: it was unfinished after "
+            f"{limit:g} s (a peer failed or never made the call)"
+        )
 
     def _abort(self, reason: str) -> None:
         """Mark the group broken and abort the communicator on a thread of its own.
@@ -483,10 +493,7 @@ class NCCLBase(BaseBackend):
                 oldest = q[0] if q else None
             if oldest is not None and now - oldest[1] > self.timeout_s:
                 _, _, fn, seq = oldest
-                self._abort(
-                    f"its NCCL communicator was aborted after {fn} (call #{seq}) timed out: the watchdog found it "
-                    f"unfinished after the group's timeout of {self.timeout_s:g} s (a peer failed or never made the call)"
-                )
+                self._abort(self._timed_out(fn, seq, self.timeout_s))
                 return
             try:
                 rt.check_async_error(self._comm)

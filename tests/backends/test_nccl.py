@@ -220,7 +220,8 @@ def test_blocking_env_makes_blocking_calls_wait_on_the_host(make_backend, monkey
     c.equal("aborted", len(nccl.calls("abort")), 1)
     c.raises(
         DistBackendError,
-        "broadcast on .*aborted after all_reduce .* timed out; destroy the group",
+        r"broadcast on .*aborted after all_reduce \(call #1\) timed out: it was unfinished after 0.3 s .*; "
+        r"destroy the group",
         backend.broadcast,
         dev(x),
         None,
