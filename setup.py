@@ -2,7 +2,7 @@
 
 * ``mpidist.arrays._ready``: the array layer's readiness check (``arrays/host.py``);
 * ``mpidist.backends._direct``: the MPI backend's hot collectives and point-to-point calls as
-  direct MPI calls (``backends/direct.py``; ``_direct_p2p.c`` is #included by ``_direct.c``);
+  direct MPI calls (``backends/direct.py``; ``_direct_p2p.c`` and ``_direct_posted.c`` are #included by ``_direct.c``);
 * ``mpidist.backends._halfops``: MPI reduction ops for float16 and bfloat16 (``backends/halfops.py``),
   built with -O3 so that the compiler vectorizes their loops;
 * ``mpidist.backends._shm``: the shared-memory path's counters with C11 memory order
@@ -16,7 +16,7 @@ import numpy
 from setuptools import Extension, setup
 
 #: C files a source #includes (rebuilt when they change; shipped in the sdist)
-_INCLUDED = {"mpidist/backends/_direct.c": ["mpidist/backends/_direct_p2p.c"]}
+_INCLUDED = {"mpidist/backends/_direct.c": ["mpidist/backends/_direct_p2p.c", "mpidist/backends/_direct_posted.c"]}
 
 setup(
     ext_modules=[

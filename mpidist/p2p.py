@@ -99,8 +99,9 @@ def isend(
         pg = world.default_pg  # the fast path (above)
         if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
             peer = pg._group_of.get(dst)
-            if peer is not None and ndarray in pg._route and tensor.flags.c_contiguous:
-                return pg.send(tensor, peer, tag).with_outputs([tensor])
+            levels = pg._route.get(ndarray)
+            if peer is not None and levels is not None and tensor.flags.c_contiguous:
+                return levels[world.debug_level].isend_fast(tensor, peer, tag)
     pg = resolve_group(group, "isend")
     if pg is None:
         return None
@@ -154,10 +155,11 @@ def irecv(
         pg = world.default_pg  # the fast path (above)
         if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
             peer = None if src is None else pg._group_of.get(src) if type(src) is int else None
-            if (peer is not None or src is None) and ndarray in pg._route:
+            levels = pg._route.get(ndarray)
+            if (peer is not None or src is None) and levels is not None:
                 f = tensor.flags
                 if f.c_contiguous and f.writeable:
-                    return pg.recv(tensor, None, peer, tag).with_outputs([tensor])
+                    return levels[world.debug_level].irecv_fast(tensor, peer, tag)
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None
@@ -407,6 +409,4 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
             _prepared(p, f"{fn}: p2p_op_list[{i}] ({p.op.__name__})")
             raise
     works = pg.batch_p2p(prepared)
-    for w, p in zip(works, p2p_op_list):
-        w.with_outputs([p.tensor])
-    return works
+    return [w.with_outputs([p.tensor]) for w, p in zip(works, p2p_op_list)]

@@ -518,9 +518,15 @@ class ProcessGroup:
 
 
 def _post_p2p(backends: list[BaseBackend], ops: list[tuple[bool, Buffer, Backs, int, int]]) -> list[Work]:
-    """Post each ``(is_send, buffer, backs, peer, tag)`` of a batch on its backend; return the Works."""
+    """Post each ``(is_send, buffer, backs, peer, tag)`` of a batch on its backend; return the Works.
+
+    Each takes the route of ``isend``/``irecv`` (``isend_fast``, ``irecv_fast``) unless a receive is staged
+    (``backs``: written back on completion); the caller names the outputs (``with_outputs``) afterwards.
+    """
     return [
-        backend.send(buf, peer, tag) if is_send else backend.recv(buf, backs, peer, tag)
+        backend.isend_fast(buf, peer, tag)
+        if is_send
+        else (backend.irecv_fast(buf, peer, tag) if backs is None else backend.recv(buf, backs, peer, tag))
         for backend, (is_send, buf, backs, peer, tag) in zip(backends, ops)
     ]
 

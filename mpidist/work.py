@@ -365,7 +365,24 @@ class Future:
         return f"<mpidist.Future {state}>"
 
 
-class Work:
+class _WorkKind(type):
+    """Work's metaclass: the lighter Work that ``isend``/``irecv`` of a numpy array return where the C calls
+    are bound (``backends/_direct_posted.c``, not a Python class) is a Work to ``isinstance`` too."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return type.__instancecheck__(cls, obj) or (cls is Work and _made_in_c(type(obj)))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return type.__subclasscheck__(cls, sub) or (cls is Work and _made_in_c(sub))
+
+
+def _made_in_c(kind: type) -> bool:
+    """Whether ``kind`` is the C module's Work type (``_direct.Posted``)."""
+    direct = world.direct
+    return direct is not None and direct.module is not None and kind is direct.module.Posted
+
+
+class Work(metaclass=_WorkKind):
     """Handle of an operation started with ``async_op=True`` (or ``isend``/``irecv``).
 
     Created by backends; users call ``wait``, ``is_completed``, ``get_future``, ...

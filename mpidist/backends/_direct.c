@@ -336,6 +336,7 @@ static PyObject *direct_reduce_scatter(Direct *self, PyObject *const *args, Py_s
 
 /* point-to-point (send, recv, irecv): a section of its own */
 #include "_direct_p2p.c"
+#include "_direct_posted.c"
 
 static int direct_init(Direct *self, PyObject *args, PyObject *kwds) {
     PyObject *comm, *fb;
@@ -368,7 +369,8 @@ static void direct_dealloc(Direct *self) {
 
 #define M(name) {#name, (PyCFunction)(void (*)(void))direct_##name, METH_FASTCALL, NULL}
 static PyMethodDef direct_methods[] = {M(allreduce), M(reduce), M(bcast), M(allgather), M(alltoall),
-                                     M(reduce_scatter_block), M(reduce_scatter), M(barrier), P2P_METHODS, {NULL}};
+                                     M(reduce_scatter_block), M(reduce_scatter), M(barrier), P2P_METHODS,
+                                     POSTED_METHODS, {NULL}};
 
 static PyTypeObject DirectType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "mpidist.backends._direct.Direct",
@@ -454,7 +456,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_direct", "Direct MP
 
 PyMODINIT_FUNC PyInit__direct(void) {
     import_array(); /* numpy's C API (returns NULL if numpy cannot be imported) */
-    if (PyType_Ready(&DirectType) < 0) return NULL;
+    if (PyType_Ready(&DirectType) < 0 || PyType_Ready(&PostedType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
 #ifdef Py_GIL_DISABLED
@@ -463,6 +465,12 @@ PyMODINIT_FUNC PyInit__direct(void) {
     Py_INCREF(&DirectType);
     if (PyModule_AddObject(m, "Direct", (PyObject *)&DirectType) < 0) {
         Py_DECREF(&DirectType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PostedType);
+    if (PyModule_AddObject(m, "Posted", (PyObject *)&PostedType) < 0) {
+        Py_DECREF(&PostedType);
         Py_DECREF(m);
         return NULL;
     }

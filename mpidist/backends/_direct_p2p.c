@@ -28,12 +28,16 @@
  *     (source, nbytes)       small: complete, but nbytes arrived (-1: more than the scratch buffer
  *                            holds); buf untouched;
  *     (source, nbytes, msg)  large: a message of nbytes matched (an MPI_Message handle), not received.
- * wait(request, status, spins)            the first test of a Work's wait (work.py, mpi_receive.py): tests the
+ * wait(request, status, spins[, nbytes])  the first test of a Work's wait (work.py, mpi_receive.py): tests the
  *                                          mpi4py Request `request` up to `spins` times as `spin` does (GIL
  *                                          released), in place, as its own Test would (the handle becomes
  *                                          MPI_REQUEST_NULL on completion); `status` (an mpi4py Status, or
  *                                          None) gets the completed one's MPI_Status. True once complete, else
  *                                          False; an MPI error raises mpi4py.MPI.Exception, as Test does.
+ *                                          With `nbytes` (a receive posted as bytes, and a status): True only
+ *                                          if the message had exactly `nbytes` bytes and its status holds no
+ *                                          error (Open MPI reports a longer message there); complete otherwise
+ *                                          gives None, for the receive's own check in Python.
  */
 
 static void *capi_function(PyObject *capi, const char *name, const char *signature); /* _direct.c */
@@ -49,6 +53,7 @@ static struct {
     H byte;           /* MPI_BYTE */
     int err_truncate; /* the error class MPI_ERR_TRUNCATE */
     int source_at;    /* the byte offset of MPI_SOURCE in an MPI_Status */
+    int error_at;     /* the byte offset of MPI_ERROR in an MPI_Status */
     int scratch_max;  /* the largest blocking recv (bytes) through the scratch buffer */
     PyTypeObject *request, *status;      /* mpi4py.MPI.Request and Status */
     void *(*request_get)(PyObject *);    /* mpi4py's PyMPIRequest_Get: the MPI_Request inside a Request */
@@ -220,11 +225,12 @@ static PyObject *direct_recv(Direct *self, PyObject *const *args, Py_ssize_t nar
     return recv_large(self, b, n, peer, tag, spins);
 }
 
-/* wait(request, status, spins) */
+/* wait(request, status, spins[, nbytes]) */
 static PyObject *direct_wait(Direct *self, PyObject *const *args, Py_ssize_t nargs) {
-    int spins;
-    if (!P.bound || nargs != 3 || !PyObject_TypeCheck(args[0], P.request) ||
-        (args[1] != Py_None && !PyObject_TypeCheck(args[1], P.status)) || !small_int(args[2], &spins))
+    int spins, nbytes = -1;
+    if (!P.bound || nargs < 3 || nargs > 4 || !PyObject_TypeCheck(args[0], P.request) ||
+        (args[1] != Py_None && !PyObject_TypeCheck(args[1], P.status)) || !small_int(args[2], &spins) ||
+        (nargs == 4 && (args[1] == Py_None || !small_int(args[3], &nbytes))))
         return fallback(self, "wait", args, nargs);
     void *q = P.request_get(args[0]); /* the MPI_Request inside the object: tested in place */
     void *status = args[1] == Py_None ? NULL : P.status_get(args[1]);
@@ -239,22 +245,29 @@ static PyObject *direct_wait(Direct *self, PyObject *const *args, Py_ssize_t nar
     else
         *(void **)q = (void *)req;
     if (rc != 0) return raise_mpi(rc);
+    if (done && nbytes >= 0) { /* the receive's size check (see the top) */
+        int got = -1;
+        if (*(int *)((char *)status + P.error_at) != 0 || CALL(count, status, &got) != 0 || got != nbytes)
+            Py_RETURN_NONE;
+    }
     return PyBool_FromLong(done);
 }
 
 #define P2P_METHODS M(send), M(irecv), M(recv), M(wait)
 
-/* bind_p2p(library, byte, err_truncate, source_at, scratch_max, Request, Status, capi): find the
- * point-to-point functions in `library` (after bind); `byte` is mpi4py.MPI.BYTE; `source_at` the byte offset
- * of MPI_SOURCE in an MPI_Status (direct.py finds it with mpi4py's Status.Set_source); `scratch_max` the
+/* bind_p2p(library, byte, err_truncate, source_at, error_at, scratch_max, Request, Status, capi): find the
+ * point-to-point functions in `library` (after bind); `byte` is mpi4py.MPI.BYTE; `source_at` and `error_at`
+ * the byte offsets of MPI_SOURCE and MPI_ERROR in an MPI_Status (direct.py finds them with mpi4py's
+ * Status.Set_source and Set_error); `scratch_max` the
  * largest blocking recv (bytes) that takes the scratch route (0: none, every recv probes); `Request` and
  * `Status` are mpi4py's classes, whose C objects `wait` reads through the getters of `capi`
  * (mpi4py.MPI.__pyx_capi__). Returns None, or raises OSError naming what is missing. */
 static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     const char *library;
     PyObject *byte, *request, *status, *capi;
-    int err_truncate, source_at, scratch_max;
-    if (!PyArg_ParseTuple(args, "sOiiiO!O!O!:bind_p2p", &library, &byte, &err_truncate, &source_at, &scratch_max,
+    int err_truncate, source_at, error_at, scratch_max;
+    if (!PyArg_ParseTuple(args, "sOiiiiO!O!O!:bind_p2p", &library, &byte, &err_truncate, &source_at, &error_at,
+                          &scratch_max,
                           &PyType_Type, &request, &PyType_Type, &status, &PyDict_Type, &capi))
         return NULL;
     void *request_get = capi_function(capi, "PyMPIRequest_Get", "MPI_Request *(PyObject *)");
@@ -273,8 +286,8 @@ static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "bind_p2p: byte must be mpi4py.MPI.BYTE");
         return NULL;
     }
-    if (source_at < 0 || source_at > 256 - (int)sizeof(int)) {
-        PyErr_SetString(PyExc_ValueError, "bind_p2p: source_at is outside an MPI_Status");
+    if (source_at < 0 || source_at > 256 - (int)sizeof(int) || error_at < 0 || error_at > 256 - (int)sizeof(int)) {
+        PyErr_SetString(PyExc_ValueError, "bind_p2p: source_at or error_at is outside an MPI_Status");
         return NULL;
     }
     void *lib = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
@@ -291,6 +304,7 @@ static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     P.byte = bh;
     P.err_truncate = err_truncate;
     P.source_at = source_at;
+    P.error_at = error_at;
     P.scratch_max = scratch_max;
     P.request_get = (void *(*)(PyObject *))request_get;
     P.status_get = (void *(*)(PyObject *))status_get;

@@ -315,6 +315,15 @@ class BaseBackend(ABC):
         """
         return self.recv(buf, backs, peer, tag)
 
+    def isend_fast(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """``isend`` of the caller's own C-contiguous numpy array (its only output): ``send``'s Work,
+        or a lighter one with the same methods (``MPIBackend``'s, made in C)."""
+        return self.send(buf, peer, tag).with_outputs([buf])
+
+    def irecv_fast(self, buf: np.ndarray, peer: int | None, tag: int) -> Any:
+        """``irecv`` into the caller's own writeable C-contiguous numpy array: as :meth:`isend_fast`."""
+        return self.recv(buf, None, peer, tag).with_outputs([buf])
+
     def send_and_wait(self, buf: np.ndarray, peer: int, tag: int) -> None:
         """Blocking ``send``: post it and wait within the timeout (a backend may do both in one call)."""
         self.send(buf, peer, tag).wait()

@@ -101,9 +101,21 @@ class MPI4pyCalls:
         """None: nothing posted or matched; the backend's matched receive takes the message."""
         return None
 
-    def wait(self, request: MPI.Request, status: MPI.Status | None, spins: int) -> bool:
-        """One test of ``request`` (the first test of a Work's wait; the Python poll continues)."""
-        return request.Test(status)
+    def post_send(self, buf: Any, dt: MPI.Datatype, peer: int, tag: int, spins: int, owner: Any, seq: int) -> None:
+        """None: the backend makes its Python Work (``_direct_posted.c`` makes a lighter one)."""
+        return None
+
+    def post_recv(self, buf: Any, peer: int, tag: int, spins: int, owner: Any, seq: int) -> None:
+        """None: as :meth:`post_send`."""
+        return None
+
+    def wait(self, request: MPI.Request, status: MPI.Status | None, spins: int, nbytes: int = -1) -> bool | None:
+        """One test of ``request`` (the first test of a Work's wait; the Python poll continues).
+
+        With ``nbytes`` (a receive's size), a completed test gives None: the receive checks the size itself.
+        """
+        done = request.Test(status)
+        return None if done and nbytes >= 0 else done
 
 
 class DirectState:
@@ -171,7 +183,15 @@ def _bind() -> DirectState:
             capi,
         )
         _direct.bind_p2p(
-            MPI.__file__, MPI.BYTE, MPI.ERR_TRUNCATE, _source_offset(), scratch_max(), MPI.Request, MPI.Status, capi
+            MPI.__file__,
+            MPI.BYTE,
+            MPI.ERR_TRUNCATE,
+            _status_offset(MPI.Status.Set_source),
+            _status_offset(MPI.Status.Set_error),
+            scratch_max(),
+            MPI.Request,
+            MPI.Status,
+            capi,
         )
     except (OSError, ValueError) as exc:
         return DirectState(None, str(exc))
@@ -193,15 +213,16 @@ def scratch_max() -> int:
     return 0 if MPI.Get_library_version().startswith("Open MPI") else SCRATCH_MAX
 
 
-def _source_offset() -> int:
-    """The byte offset of ``MPI_SOURCE`` in this library's ``MPI_Status``, found with mpi4py's ``Set_source``."""
+def _status_offset(setter: Any) -> int:
+    """The byte offset in this library's ``MPI_Status`` of the field that ``setter`` (an ``MPI.Status`` method:
+    ``Set_source``, ``Set_error``) writes."""
     status = MPI.Status()
     marker = 0x5A5A5A5
-    status.Set_source(marker)
+    setter(status, marker)
     words = np.frombuffer(ctypes.string_at(MPI._addressof(status), MPI._sizeof(MPI.Status)), np.intc)
     found = np.flatnonzero(words == marker)
     if len(found) != 1:
-        raise ValueError("mpi4py's Status.Set_source wrote no single field of the MPI_Status")
+        raise ValueError(f"mpi4py's Status.{setter.__name__} wrote no single field of the MPI_Status")
     return int(found[0]) * words.itemsize
 
 
@@ -232,4 +253,14 @@ def _self_check(module: Any) -> str:
         return f"a check of wait on COMM_SELF failed: {exc}"
     if not done or req != MPI.REQUEST_NULL or status.Get_count(MPI.INT64_T) != 3 or got.tolist() != [3, -2, 7]:
         return "wait on COMM_SELF gave another result than mpi4py's Test"
+    try:  # wait's size check: right (True), and not (None: complete, for the Python check)
+        sized = []
+        for nbytes in (24, 16):
+            status, req = MPI.Status(), comm.Irecv([got, MPI.BYTE], 0, 6)
+            comm.Isend([a, MPI.INT64_T], 0, 6).Wait()
+            sized.append(calls.wait(req, status, many, nbytes))
+    except MPI.Exception as exc:
+        return f"a check of wait's size check on COMM_SELF failed: {exc}"
+    if sized != [True, None]:
+        return f"wait's size check on COMM_SELF gave {sized}, not [True, None]"
     return ""

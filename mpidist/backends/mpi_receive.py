@@ -170,6 +170,7 @@ class Receive(Work):
 
     __slots__ = (
         "_buf", "_entry", "_peer", "_posted", "_probe", "_arrived", "_longer", "_as_bytes", "_scratch", "_calls", "_spins",
+        "_nbytes",
     )  # fmt: skip
 
     def __init__(
@@ -197,6 +198,8 @@ class Receive(Work):
         # elements that arrived, once known (else read from the status); -2 - bytes: not whole elements; -3: longer
         self._arrived: int | None = None
         self._calls, self._spins = owner._calls, owner.c_spins  # type: ignore[attr-defined]  # wait's first test
+        # a plain posted receive (nothing to copy or write back afterwards): wait's first test checks its size in C
+        self._nbytes = buf.nbytes if req is not None and post is None and longer is None and scratch is None else -1
 
     def _first_test(self) -> bool:
         """A posted receive's first test in ``wait``: up to the owner's ``c_spins`` tests in C (``Direct.wait``,
@@ -204,12 +207,17 @@ class Receive(Work):
         if self._probe is not None:
             return self._test()
         try:
-            return self._calls.wait(self._reqs[0], self._status, self._spins)
+            done = self._calls.wait(self._reqs[0], self._status, self._spins, self._nbytes)
         except MPI.Exception as exc:  # MPICH reports a longer message as an error of the test
             if exc.Get_error_class() != ERR_TRUNCATE:
                 raise
             self._arrived = -3
             return True
+        if done is None:  # complete, and C did not find the size right: _complete looks at the status
+            return True
+        if done and self._nbytes >= 0:  # C found exactly the array's bytes and no error
+            self._arrived = self._buf.size
+        return done
 
     def _test(self) -> bool:
         if self._probe is not None and not self._match():

@@ -788,3 +788,73 @@ def test_common_case_takes_the_fast_path(monkeypatch, rank, world_size):
                 assert dist.recv(got, src=src, tag=tag) == prv(rank, world_size)
                 dist.send(out, dst=nxt(rank, world_size), tag=tag)
             assert_equal(got, np.arange(4.0) + prv(rank, world_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# the lighter Work of isend/irecv (backends/_direct_posted.c): every method of a Work
+# ---------------------------------------------------------------------------------------------
+
+
+def _made_in_c(w: Any) -> bool:
+    return type(w).__name__ == "Posted"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_isend_irecv_work_made_in_c_is_a_whole_work(rank, world_size):
+    """Where the C calls are bound, isend/irecv of a numpy array return a Work made in C; waited for late
+    (its C tests run out), with keywords, with a bad timeout, through its future and its source, it behaves
+    as the Python Work it becomes, and as a Work of the general path (group=WORLD) does."""
+    from mpidist.backends.direct import direct_status
+
+    c = Checks()
+    peer = 1 - rank if rank < 2 else None
+    if peer is not None:
+        inp, out = np.zeros(3), np.arange(3.0) + rank
+        first = dist.irecv(inp, tag=21)  # any source; completes only after the sender's nap
+        c.true(f"made in C iff the C calls are bound: {type(first)}", _made_in_c(first) == (direct_status() == "direct"))
+        c.true("a Work to isinstance", isinstance(first, dist.Work))
+        c.raises(ValueError, "timeout", first.wait, timeout=-1.0)  # checked, and the Work stays usable
+        if rank == 1:
+            time.sleep(0.2)  # rank 0 waits longer than its C tests
+        sw = dist.isend(out, dst=peer, tag=21)
+        c.true("wait", first.wait() is True and sw.wait(timeout=30) is True)
+        c.equal("received", inp, np.arange(3.0) + peer)
+        c.equal("source_rank", first.source_rank(), peer)
+        c.true("result is the caller's array", first.result()[0] is inp and sw.result()[0] is out)
+        c.true("future", first.get_future().wait()[0] is inp)
+        c.true("success", first.is_success() and first.exception() is None and sw.is_success())
+        c.true(f"repr {first!r}", "recv" in repr(first))
+        # completed before the first wait: is_completed polls it done
+        inp2 = np.zeros(3)
+        rw = dist.irecv(inp2, src=peer, tag=22)
+        dist.isend(out, dst=peer, tag=22).wait()
+        deadline = time.monotonic() + 30
+        while not rw.is_completed() and time.monotonic() < deadline:
+            pass
+        c.true("is_completed then wait", rw.is_completed() and rw.wait() is True)
+        c.equal("received (polled)", inp2, np.arange(3.0) + peer)
+    c.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dropped_irecv_made_in_c_keeps_its_array_for_mpi(rank, world_size):
+    """An irecv dropped unwaited: its array stays referenced while MPI may write into it (owner.abandoned), and
+    the message goes into it; the group is destroyed cleanly afterwards."""
+    import gc
+    import weakref
+
+    c = Checks()
+    if rank < 2:
+        inp = np.zeros(1 << 14)
+        ref = weakref.ref(inp)
+        dist.irecv(inp, src=1 - rank, tag=23)  # dropped at once
+        del inp
+        gc.collect()
+        c.true("the array lives on while the receive is pending", ref() is not None)
+        dist.send(np.full(1 << 14, 7.0 + rank), dst=1 - rank, tag=23)
+        kept = ref()
+        deadline = time.monotonic() + 30
+        while kept is not None and kept[-1] != 8.0 - rank and time.monotonic() < deadline:
+            MPI.COMM_WORLD.Iprobe()  # MPI's progress
+        c.true("the message arrived in the dropped receive's array", kept is not None and kept[-1] == 8.0 - rank)
+    c.done()
