@@ -99,9 +99,8 @@ def isend(
         pg = world.default_pg  # the fast path (above)
         if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
             peer = pg._group_of.get(dst)
-            levels = pg._route.get(ndarray)
-            if peer is not None and levels is not None and tensor.flags.c_contiguous:
-                return levels[world.debug_level].isend_fast(tensor, peer, tag)
+            if peer is not None and ndarray in pg._route and tensor.flags.c_contiguous:
+                return pg.isend_fast(tensor, peer, tag)
     pg = resolve_group(group, "isend")
     if pg is None:
         return None
@@ -155,11 +154,10 @@ def irecv(
         pg = world.default_pg  # the fast path (above)
         if pg is not None and (tag == 0 or 0 < tag <= world.init_info.tag_ub) and tensor.dtype in DTYPES:
             peer = None if src is None else pg._group_of.get(src) if type(src) is int else None
-            levels = pg._route.get(ndarray)
-            if (peer is not None or src is None) and levels is not None:
+            if (peer is not None or src is None) and ndarray in pg._route:
                 f = tensor.flags
                 if f.c_contiguous and f.writeable:
-                    return levels[world.debug_level].irecv_fast(tensor, peer, tag)
+                    return pg.irecv_fast(tensor, peer, tag)
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None

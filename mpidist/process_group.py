@@ -291,6 +291,14 @@ class ProcessGroup:
         b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]
         return b.recv(buf, backs, peer, tag)
 
+    def isend_fast(self, buf: ndarray, peer: int, tag: int) -> Work:
+        """``isend`` of the caller's own ready numpy array (``BaseBackend.isend_fast``): its outputs are named."""
+        return self._route[ndarray][world.debug_level].isend_fast(buf, peer, tag)
+
+    def irecv_fast(self, buf: ndarray, peer: int | None, tag: int) -> Work:
+        """``irecv`` into the caller's own ready numpy array (``BaseBackend.irecv_fast``)."""
+        return self._route[ndarray][world.debug_level].irecv_fast(buf, peer, tag)
+
     def recv_blocking(self, buf: Buffer, backs: Backs, peer: int | None, tag: int) -> Work:
         """A receive the caller waits for at once (``BaseBackend.recv_blocking``)."""
         b = (self._route.get(type(buf)) or self._levels("recv", buf))[world.debug_level]

@@ -108,6 +108,8 @@ CORE_METHODS: dict[str, tuple[str, Callable[[tuple], Iterable[Any]]]] = {
     "all_gather_packed": ("all_gather_coalesced", _third),
     "send": ("send", _first),
     "recv": ("recv", _first),
+    "isend_fast": ("send", _first),
+    "irecv_fast": ("recv", _first),
     "recv_blocking": ("recv", _first),
     "batch_p2p": ("batch_isend_irecv", _none),
 }

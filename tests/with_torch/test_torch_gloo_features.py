@@ -112,14 +112,20 @@ def test_mpidist_api_records_events_with_array_shapes(pgs):
     x = np.ones((2, 5))
     y = torch.ones(7)
 
+    z = np.zeros((2, 5))
+
     def run():
         dist.all_reduce(x)
         dist.all_reduce(y, async_op=True).wait()
         dist.broadcast(x, src=0)
+        received = dist.irecv(z, src=RANK)  # to this rank itself: isend/irecv's route of a numpy array
+        dist.isend(x, dst=RANK).wait()
+        received.wait()
 
     got = [(e.name, e.input_shapes, e.is_async) for e in _profile(run) if e.name.startswith("mpidist:")]
     expected = [("mpidist:all_reduce", [[2, 5]], True), ("mpidist:all_reduce", [[7]], True),
-                ("mpidist:broadcast", [[2, 5]], True)]  # fmt: skip
+                ("mpidist:broadcast", [[2, 5]], True), ("mpidist:recv", [[2, 5]], True),
+                ("mpidist:send", [[2, 5]], True)]  # fmt: skip
     fail_together([] if sorted(got) == sorted(expected) else [f"got {got}, expected {expected}"])
 
 
