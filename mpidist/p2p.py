@@ -327,6 +327,14 @@ class P2POp:
         tag: int = 0,
         group_peer: int | None = None,
     ) -> None:
+        if group is None and group_peer is None and type(tensor) is ndarray and type(peer) is int and type(tag) is int:
+            pg = world.default_pg  # the common case (as isend's fast path): checked, nothing else to look up
+            if pg is not None and (op is isend or op is irecv) and (tag == 0 or 0 < tag <= world.init_info.tag_ub):
+                group_rank = pg._group_of.get(peer)
+                if group_rank is not None and tensor.dtype in DTYPES:
+                    self.op, self.tensor, self.group, self.tag = op, tensor, None, tag
+                    self.peer, self.group_peer = peer, group_rank
+                    return
         fn = "P2POp"
         if op is not isend and op is not irecv:
             raise ValueError(f"{fn}: op must be mpidist.isend or mpidist.irecv, got {op!r}")
@@ -350,7 +358,16 @@ class P2POp:
 
 def _prepared(p: P2POp, where: str) -> tuple[bool, Buffer, Backs, int, int]:
     """``(is_send, buffer, backs, group peer, tag)`` of ``p`` for ``ProcessGroup.batch_p2p``; ``where`` names it in errors."""
-    tag = tag_value(p.tag, where)
+    t, tag = p.tensor, p.tag
+    if type(t) is ndarray and type(tag) is int and (tag == 0 or 0 < tag <= world.init_info.tag_ub):
+        if t.dtype in DTYPES:  # the common case: a ready numpy array is its own buffer (as for isend/irecv)
+            f = t.flags
+            if p.op is isend:
+                if f.c_contiguous:
+                    return True, t, None, p.group_peer, tag
+            elif f.c_contiguous and f.writeable:
+                return False, t, None, p.group_peer, tag
+    tag = tag_value(tag, where)
     if p.op is isend:
         return True, prepare_input(p.tensor, where, "tensor"), None, p.group_peer, tag
     buf, target = prepare_output(p.tensor, where, "tensor")

@@ -858,3 +858,23 @@ def test_dropped_irecv_made_in_c_keeps_its_array_for_mpi(rank, world_size):
             MPI.COMM_WORLD.Iprobe()  # MPI's progress
         c.true("the message arrived in the dropped receive's array", kept is not None and kept[-1] == 8.0 - rank)
     c.done()
+
+
+def test_batch_of_ready_numpy_arrays_skips_the_general_checks(monkeypatch, rank, world_size):
+    """P2POp and batch_isend_irecv take a ready numpy array, an int peer of the default group and a tag in range
+    as they are (as isend does), without the general path's checks; the result is the same."""
+    from mpidist import p2p
+
+    def general(*args: Any) -> None:
+        raise AssertionError("the general path ran")
+
+    for name in ("adapt", "prepare_input", "prepare_output", "tag_value"):
+        monkeypatch.setattr(p2p, name, general)
+    out, inp = np.arange(4.0) + rank, np.zeros(4)
+    ops = [dist.P2POp(dist.isend, out, nxt(rank, world_size), tag=5),
+           dist.P2POp(dist.irecv, inp, prv(rank, world_size), tag=5)]  # fmt: skip
+    works = dist.batch_isend_irecv(ops)
+    assert [w.wait() for w in works] == [True, True]
+    assert works[1].result()[0] is inp
+    assert_equal(inp, np.arange(4.0) + prv(rank, world_size))
+    assert (ops[0].peer, ops[0].group_peer, ops[0].tag) == (nxt(rank, world_size), nxt(rank, world_size), 5)
