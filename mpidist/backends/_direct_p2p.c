@@ -225,6 +225,13 @@ static PyObject *direct_recv(Direct *self, PyObject *const *args, Py_ssize_t nar
     return recv_large(self, b, n, peer, tag, spins);
 }
 
+/* whether the completed receive whose MPI_Status is `status` brought exactly `nbytes` bytes, with no error in
+ * the status (Open MPI reports a longer message there) */
+static int received_exactly(const void *status, int nbytes) {
+    int got = -1;
+    return *(const int *)((const char *)status + P.error_at) == 0 && CALL(count, status, &got) == 0 && got == nbytes;
+}
+
 /* wait(request, status, spins[, nbytes]) */
 static PyObject *direct_wait(Direct *self, PyObject *const *args, Py_ssize_t nargs) {
     int spins, nbytes = -1;
@@ -245,11 +252,7 @@ static PyObject *direct_wait(Direct *self, PyObject *const *args, Py_ssize_t nar
     else
         *(void **)q = (void *)req;
     if (rc != 0) return raise_mpi(rc);
-    if (done && nbytes >= 0) { /* the receive's size check (see the top) */
-        int got = -1;
-        if (*(int *)((char *)status + P.error_at) != 0 || CALL(count, status, &got) != 0 || got != nbytes)
-            Py_RETURN_NONE;
-    }
+    if (done && nbytes >= 0 && !received_exactly(status, nbytes)) Py_RETURN_NONE; /* the size check (see the top) */
     return PyBool_FromLong(done);
 }
 

@@ -96,9 +96,7 @@ static PyObject *direct_post_recv(Direct *self, PyObject *const *args, Py_ssize_
 
 /* a completed request's result is what the caller asked for: any send; a receive of exactly its bytes */
 static int posted_right(Posted *self) {
-    if (self->nbytes < 0) return 1;
-    int got = -1;
-    return *(int *)(self->status + P.error_at) == 0 && CALL(count, self->status, &got) == 0 && got == self->nbytes;
+    return self->nbytes < 0 || received_exactly(self->status, self->nbytes);
 }
 
 /* hand over to the Python Work (see the top); `rc` and `done` are the last test's. 0, or -1 with an error */
@@ -225,7 +223,7 @@ static void posted_finalize(Posted *self) {
         PyErr_Clear(); /* interpreter shutdown: nothing left to protect */
     else
         Py_DECREF(r);
-    self->state = POSTED_PROMOTED; /* handed over: a second finalize does nothing */
+    self->state = POSTED_DONE; /* handed over: a second finalize does nothing (and no call promotes it) */
     PyErr_Restore(type, value, tb);
 }
 

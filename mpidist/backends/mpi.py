@@ -843,7 +843,7 @@ class MPIBackend(BaseBackend):
         """``irecv`` into the caller's own array: as :meth:`isend_fast` (not from this rank itself)."""
         seq = self.p2p_seq + 1
         w = None
-        if peer != self.rank and (peer is not None or self.size > 1):
+        if self._posts_directly(peer):
             try:
                 w = self._calls.post_recv(buf, ANY_SOURCE if peer is None else peer, tag, self.c_spins, self, seq)
             except MPI.Exception as exc:
@@ -855,6 +855,11 @@ class MPIBackend(BaseBackend):
         self.received += 1
         return w
 
+    def _posts_directly(self, peer: int | None) -> bool:
+        """Whether a receive from ``peer`` (None: any) is posted as it is: not one that may come from this
+        rank itself, which ``recv`` posts with care for libraries that truncate those silently."""
+        return peer != self.rank and (peer is not None or self.size > 1)
+
     def promoted(
         self, recv: bool, buf: ndarray, seq: int, peer: int, handle: int | None, rc: int, status: bytes | None
     ) -> Work:
@@ -865,12 +870,12 @@ class MPIBackend(BaseBackend):
             peer_rank = None if peer == ANY_SOURCE else peer
             e = self._types[buf.dtype]
             w: Work = (world.rx or _receiving()).Receive(req, buf, e, None, self, peer_rank, None, None, True)
+            w._seq = seq  # (Receive takes the backend's latest number)
             if status is not None:
                 ctypes.memmove(MPI._addressof(w._status), status, MPI._sizeof(MPI.Status))
         else:
             w = Sent([req], None, buf, "send", self, seq, self.timeout_s)
             w._calls, w._spins = self._calls, self.c_spins
-        w._seq = seq
         w.with_outputs([buf])
         if rc:
             exc = MPI.Exception(rc)
@@ -927,7 +932,7 @@ class MPIBackend(BaseBackend):
         e = self._types.get(buf.dtype) or bad_dtype(buf, "recv")
         target = buf
         rx = world.rx or _receiving()
-        if peer != self.rank and (peer is not None or self.size > 1):  # not from this rank itself (below)
+        if self._posts_directly(peer):  # not from this rank itself (below)
             try:
                 req = self._calls.irecv(buf, ANY_SOURCE if peer is None else peer, tag)
             except MPI.Exception as exc:
