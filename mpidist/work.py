@@ -454,6 +454,14 @@ class Work(metaclass=_WorkKind):
             return reqs[0].Test()
         return reqs[0].Testall(reqs)
 
+    def _wait_test(self) -> Callable[[], bool]:
+        """What ``wait`` polls: ``_test``, or the one request's ``spin`` where it has one (the shared-memory
+        path's operation, which waits in C between tests)."""
+        reqs = self._reqs
+        if len(reqs) == 1 and self._status is None:
+            return getattr(reqs[0], "spin", self._test)
+        return self._test
+
     def _first_test(self) -> bool:
         """The first test of ``wait``: one ``_test`` (a subclass may test longer, in C, before the poll)."""
         return self._test()
@@ -527,7 +535,7 @@ class Work(metaclass=_WorkKind):
                 if not finished:
                     owner = self._owner
                     activity = (getattr(owner, "group_name", "?"), self._op, self._seq)
-                    finished = poll(self._test, limit, getattr(owner, "spins", SPINS_OVERSUBSCRIBED), activity)
+                    finished = poll(self._wait_test(), limit, getattr(owner, "spins", SPINS_OVERSUBSCRIBED), activity)
             except Exception as exc:
                 self._fail(self._owner.backend_error(self._op, self._seq, exc))
             else:

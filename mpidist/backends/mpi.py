@@ -352,7 +352,9 @@ class MPIBackend(BaseBackend):
         if async_op:
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:  # one test first: a small operation is often complete; else poll until the timeout
-            if not req.Test() and not poll(req.Test, self.timeout_s, self.spins, (self.group_name, op, self.seq)):
+            if not req.Test() and not poll(  # a SharedOp waits in C between tests (spin)
+                getattr(req, "spin", req.Test), self.timeout_s, self.spins, (self.group_name, op, self.seq)
+            ):
                 self._expired(op, req, keep)
         except MPI.Exception as exc:
             raise self._fail(op, exc) from exc

@@ -101,6 +101,11 @@ _PAGE = 4096
 #: Such a reduction runs into a scratch buffer placed clear of every source, then is copied out.
 _ALIAS_WINDOW = 1024
 _DEPOSITED, _COMBINED, _COLLECTED, _ATTACHED = 0, 64, 128, 192
+#: A blocking call waits for the next phase in C (``_shm.await_any``, GIL released) for up to this long (ns) per
+#: test before ``poll`` looks at the clock; with more ranks than cores it yields the CPU between looks, as the
+#: direct calls' waits do (``_direct.c``'s YIELDING_NS).
+SPINNING_WAIT_NS = 1_000_000
+YIELDING_WAIT_NS = 10_000_000
 
 _UFUNCS = {
     Prim.SUM: np.add, Prim.PROD: np.multiply, Prim.MIN: np.minimum, Prim.MAX: np.maximum,
@@ -109,18 +114,20 @@ _UFUNCS = {
 }  # fmt: skip
 
 
-def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], int], str]:
-    """``(publish, least, why not)``: the C counters, or ctypes ones where the CPU keeps order (x86-64)."""
+def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], int], Callable[..., bool] | None, str]:
+    """``(publish, least, await_any, why not)``: the C counters, or ctypes ones where the CPU keeps order
+    (x86-64), which have no ``await_any`` (None: a blocking call's wait tests from Python)."""
     refused = c_extension_refused()
     if not refused:
         try:
             from . import _shm
 
-            return _shm.publish, _shm.least, ""
+            return _shm.publish, _shm.least, _shm.await_any, ""
         except ImportError:
             refused = "the C module mpidist.backends._shm was not built"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return _no_publish, _no_least, f"{refused}, and this CPU ({platform.machine()}) reorders memory accesses"
+        why = f"{refused}, and this CPU ({platform.machine()}) reorders memory accesses"
+        return _no_publish, _no_least, None, why
     import ctypes
 
     cell = ctypes.c_int64.from_address
@@ -131,7 +138,7 @@ def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], i
     def least(address: int, count: int, stride: int) -> int:
         return min(cell(address + k * stride).value for k in range(count))
 
-    return publish, least, ""
+    return publish, least, None, ""
 
 
 def _no_publish(address: int, value: int) -> None:  # pragma: no cover - the path is off where these are chosen
@@ -142,7 +149,7 @@ def _no_least(address: int, count: int, stride: int) -> int:  # pragma: no cover
     raise RuntimeError("no ordered counters on this CPU")
 
 
-_publish, _least, _COUNTERS_MISSING = _counters()
+_publish, _least, _await_any, _COUNTERS_MISSING = _counters()
 
 
 def shm_status() -> str:
@@ -272,6 +279,8 @@ class SharedPath:
         self.smallest = min(low if name in fixed else shm_tuning.SETUP_FLOOR for name, (low, _) in limits.items())
         self.routes: dict[str, list[Any]] = {}  # broadcast's and all_gather_into_tensor's size classes (shm_choice)
         self.per, self.result_bytes = _region_sizes(size, chunk)  # one rank's region (whole pages), a result area
+        # how long a blocking call's wait stays in C (SharedOp.spin) before poll looks at the clock again
+        self.wait_ns = -YIELDING_WAIT_NS if world.init_info.oversubscribed else SPINNING_WAIT_NS
         self.mem = mem
         self.share = len(mem) // size  # this rank's part of the node's budget (shm_tuning.node_budget)
         world.shm_share += self.share
@@ -561,14 +570,23 @@ class SharedOp:
         self.done = False
 
     def Test(self, *_: Any) -> bool:  # noqa: N802 - MPI's request method, which Work and poll call
-        """Advance the group's queue up to this operation; return True once it is complete."""
+        """Advance the group's queue up to this operation; return True once it is complete. Never waits."""
+        return self._progress(0)
+
+    def spin(self) -> bool:
+        """``Test()`` for a caller that waits for this operation: where no phase can move, wait in C (GIL
+        released) for a counter that lets one move, for at most the path's ``wait_ns``, instead of returning.
+        ``poll`` calls it in a loop as it calls ``Test``: the timeout and the stall diagnosis still act."""
+        return self._progress(self.path.wait_ns)
+
+    def _progress(self, wait_ns: int) -> bool:
         if self.done:
             return True
         with self.path.lock:
             queue = self.path.queue
             while queue:
                 head = queue[0]
-                if not head._advance():
+                if not head._advance(wait_ns):
                     return False
                 queue.popleft()
                 if head is self:
@@ -585,7 +603,9 @@ class SharedOp:
 
     _gate_count = -1  # every rank's; a subclass waiting for one rank's deposit sets 1 (and _gate)
 
-    def _advance(self) -> bool:
+    def _advance(self, wait_ns: int = 0) -> bool:
+        """Do every phase the counters allow; where none can move and ``wait_ns`` is not 0, wait in C
+        (``_shm.await_any``) until one can or that time has passed (negative: yielding the CPU)."""
         path = self.path
         n, per, mine, base, count = path.size, path.per, path.mine, path.base, self.nchunks
         a, b, c, first = self.a, self.b, self.c, self.base
@@ -612,7 +632,17 @@ class SharedOp:
                 _publish(mine + _COLLECTED, first + c)
                 moved = True
             if not moved:
-                break
+                if c == count or not wait_ns or _await_any is None:
+                    break
+                # the three conditions above, as (counters, how many, target); 0 counters: not waited for
+                may_deposit = a < count and a - c < 2
+                if not _await_any(
+                    per, wait_ns,
+                    base + _COLLECTED, n if may_deposit else 0, first + a - 1,
+                    gate, gates if b < a else 0, first + b + 1,
+                    base + _COMBINED, n if c < b else 0, first + c + 1,
+                ):  # fmt: skip
+                    break
         self.a, self.b, self.c = a, b, c
         if c == count:
             self.done = True

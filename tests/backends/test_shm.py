@@ -474,3 +474,66 @@ def test_the_nodes_budget_bounds_every_group_together(groups, caplog):
     dist.destroy_process_group(second)
     dist.destroy_process_group(third)
     c.done()
+
+
+@pytest.mark.one_rank
+@pytest.mark.skipif(shm._await_any is None, reason="the C counters are not built (a blocking wait tests from Python)")
+def test_await_any_looks_at_the_counters_it_is_given_and_stays_bounded():
+    """``_shm.await_any``: True as soon as one condition holds (the least of its counters reaches the target),
+    a condition of 0 counters is never looked at, and with none met it returns False once its budget is spent,
+    spinning or (negative budget) yielding."""
+    cells = np.zeros(8 * 3, np.int64)  # three counters 64 bytes apart
+    base, stride = cells.ctypes.data, 64
+    cells[0], cells[8], cells[16] = 5, 7, 9
+    never = 1 << 62
+    c = Checks()
+    c.true("the least of 3 counters (5) reached 5", shm._await_any(stride, 10**6, base, 3, 5, 0, 0, 0, 0, 0, 0))
+    c.true("the second condition (the counter at 64 bytes reached 7)",
+           shm._await_any(stride, 10**6, base, 3, never, base + 64, 1, 7, 0, 0, 0))  # fmt: skip
+    c.true("a condition of 0 counters was looked at", not shm._await_any(stride, 10**6, base, 0, 0, 0, 0, 0, 0, 0, 0))
+    for budget in (2 * 10**6, -2 * 10**6):
+        start = time.perf_counter()
+        met = shm._await_any(stride, budget, base, 3, 6, base + 128, 1, 10, 0, 0, 0)
+        took = time.perf_counter() - start
+        c.true(f"budget {budget} ns: a condition not met was reported met", not met)
+        c.true(f"budget {budget} ns: returned after {took * 1e3:.2f} ms, before its budget or far after",
+               0.002 <= took < 1.0)  # fmt: skip
+    c.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_blocking_call_waits_for_a_late_rank_in_c(groups, monkeypatch):
+    """While rank 0 comes late, the others' blocking calls (and an async call's wait) wait in C
+    (``SharedOp.spin`` through ``_shm.await_any``), and every result is right."""
+    if shm._await_any is None:
+        pytest.skip("the C counters are not built")
+    on, _ = groups
+    calls = [0]
+    real = shm._await_any
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(shm, "_await_any", counted)
+    c = Checks()
+    n = shm.CHUNK // 4 * 2 + 1000  # float32: three chunks
+    for k, kind_of_wait in enumerate(["blocking", "async"]):
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 0:
+            time.sleep(0.2)
+        x = rank_input(RANK, (n,), np.dtype(np.float32), k)
+        if kind_of_wait == "blocking":
+            dist.all_reduce(x, group=on)
+        else:
+            dist.all_reduce(x, group=on, async_op=True).wait()
+        c.equal(f"{kind_of_wait} all_reduce", x, reference(inputs_of(SIZE, (n,), np.float32, k), R.SUM))
+        if RANK != 0:
+            c.true(f"{kind_of_wait}: rank {RANK} waited for rank 0 without _shm.await_any", calls[0] > 0)
+        calls[0] = 0
+    out = np.zeros(n, np.float32)
+    if RANK == 0:
+        time.sleep(0.2)
+    dist.reduce_scatter_tensor(out, np.full(n * SIZE, RANK + 1.0, np.float32), group=on)
+    c.true("reduce_scatter_tensor after a late rank", (out == SIZE * (SIZE + 1) / 2).all())
+    c.done()
