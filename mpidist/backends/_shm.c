@@ -17,15 +17,21 @@
  *                                  released, least(address, count, stride) reached
  *                                  target for any of the three (one of 0 counters is
  *                                  not looked at): a blocking call's wait for the
- *                                  next phase, instead of a Python test every few us.
+ *                                  next phase, instead of a Python test every few us;
+ *   read_from(pid, remote, local, nbytes)
+ *                                  copy nbytes at address remote of process pid to
+ *                                  local with the kernel's cross-memory attach
+ *                                  (process_vm_readv): the one-copy collectives.
  *
  * Addresses come from Python (the mapped segment's numpy views) and are checked
  * there; nothing here allocates or keeps a reference.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <sched.h>
 #include <stdint.h>
+#include <sys/uio.h>
 #include <time.h>
 
 static inline int64_t least_of(uintptr_t address, Py_ssize_t count, Py_ssize_t stride) {
@@ -112,11 +118,53 @@ static PyObject *await_any(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(met);
 }
 
+/* read_from(pid, remote, local, nbytes) -> None, or OSError (EPERM where the kernel forbids it, ESRCH, EFAULT)
+ *
+ * One copy from another process's memory, with the GIL released; a partial read (a call returns less than
+ * asked) goes on where it stopped. */
+static PyObject *read_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read_from(pid, remote, local, nbytes)");
+        return NULL;
+    }
+    long pid = PyLong_AsLong(args[0]);
+    uintptr_t remote = (uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
+    uintptr_t local = (uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (nbytes > 0) {
+        struct iovec here = {(void *)local, (size_t)nbytes}, there = {(void *)remote, (size_t)nbytes};
+        ssize_t got = process_vm_readv((pid_t)pid, &here, 1, &there, 1, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (got == 0) {
+            err = EFAULT;
+            break;
+        }
+        local += (uintptr_t)got;
+        remote += (uintptr_t)got;
+        nbytes -= got;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL, "Release-store an int64 counter."},
     {"least", (PyCFunction)(void (*)(void))least, METH_FASTCALL, "The smallest of int64 counters (acquire loads)."},
     {"await_any", (PyCFunction)(void (*)(void))await_any, METH_FASTCALL,
      "Wait, bounded and with the GIL released, until one of three counter conditions holds."},
+    {"read_from", (PyCFunction)(void (*)(void))read_from, METH_FASTCALL,
+     "Copy bytes out of another process's memory (process_vm_readv)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,7 +53,7 @@ from .mpi_types import (
     count_limit_note,
     type_table,
 )  # fmt: skip
-from .shm_tuning import CLASSES, NEVER, SETUP_FLOOR, SHARED, TRIAL
+from .shm_tuning import CLASSES, NEVER, ONE_COPY, SETUP_FLOOR, SHARED, TRIAL
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -410,7 +410,7 @@ class MPIBackend(BaseBackend):
             path = self._shm = SharedPath.setup(self, fn)
             self._shm_from = NEVER if path is None else path.smallest
             if path is not None:
-                self._choice = Chooser(self, path.prior)
+                self._choice = Chooser(self, path.prior, path.one_copy)
         return path
 
     def _way(self, fn: str, nbytes: int, routes: dict[str, list[Any]], label: str) -> int:
@@ -630,7 +630,7 @@ class MPIBackend(BaseBackend):
                 return self._choice.measure(lambda a: self.broadcast(buf, backs, root, a), async_op)
             if way:
                 post = then_write_back(None, backs) if backs else None
-                return self._done("broadcast", path.broadcast(buf, root), post, buf, async_op)
+                return self._done("broadcast", path.broadcast(buf, root, way == ONE_COPY), post, buf, async_op)
         try:
             req = self._calls.bcast(buf, e.mpi, root, 0 if async_op else self.c_spins)
         except MPI.Exception as exc:
@@ -660,7 +660,7 @@ class MPIBackend(BaseBackend):
                 return self._choice.measure(again, async_op)
             if way:
                 post = then_write_back(None, backs) if backs else None
-                shm_op = path.all_gather(out, send)
+                shm_op = path.all_gather(out, send, way == ONE_COPY)
                 return self._done("all_gather_into_tensor", shm_op, post, (out, send), async_op)
         try:
             req = self._calls.allgather(out, send, e.mpi, 0 if async_op else self.c_spins)

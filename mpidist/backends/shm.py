@@ -101,6 +101,10 @@ _PAGE = 4096
 #: Such a reduction runs into a scratch buffer placed clear of every source, then is copied out.
 _ALIAS_WINDOW = 1024
 _DEPOSITED, _COMBINED, _COLLECTED, _ATTACHED = 0, 64, 128, 192
+#: also in each rank's header: its pid and the address of its probe word (written once, before it attaches), and
+#: per slot parity the address of the array a one-copy operation's chunk reads from it (written before the deposit
+#: counter that announces it)
+_PID, _PROBE, _ADDRESS = 256, 264, 320
 #: A blocking call waits for the next phase in C (``_shm.await_any``, GIL released) for up to this long (ns) per
 #: test before ``poll`` looks at the clock; with more ranks than cores it yields the CPU between looks, as the
 #: direct calls' waits do (``_direct.c``'s YIELDING_NS).
@@ -114,20 +118,21 @@ _UFUNCS = {
 }  # fmt: skip
 
 
-def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], int], Callable[..., bool] | None, str]:
-    """``(publish, least, await_any, why not)``: the C counters, or ctypes ones where the CPU keeps order
-    (x86-64), which have no ``await_any`` (None: a blocking call's wait tests from Python)."""
+def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], int], Any, Any, str]:
+    """``(publish, least, await_any, read_from, why not)``: the C counters, or ctypes ones where the CPU keeps
+    order (x86-64), which have no ``await_any`` (None: a blocking call's wait tests from Python) and no
+    ``read_from`` (None: no one-copy variant)."""
     refused = c_extension_refused()
     if not refused:
         try:
             from . import _shm
 
-            return _shm.publish, _shm.least, _shm.await_any, ""
+            return _shm.publish, _shm.least, _shm.await_any, _shm.read_from, ""
         except ImportError:
             refused = "the C module mpidist.backends._shm was not built"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         why = f"{refused}, and this CPU ({platform.machine()}) reorders memory accesses"
-        return _no_publish, _no_least, None, why
+        return _no_publish, _no_least, None, None, why
     import ctypes
 
     cell = ctypes.c_int64.from_address
@@ -138,7 +143,7 @@ def _counters() -> tuple[Callable[[int, int], None], Callable[[int, int, int], i
     def least(address: int, count: int, stride: int) -> int:
         return min(cell(address + k * stride).value for k in range(count))
 
-    return publish, least, None, ""
+    return publish, least, None, None, ""
 
 
 def _no_publish(address: int, value: int) -> None:  # pragma: no cover - the path is off where these are chosen
@@ -149,7 +154,7 @@ def _no_least(address: int, count: int, stride: int) -> int:  # pragma: no cover
     raise RuntimeError("no ordered counters on this CPU")
 
 
-_publish, _least, _await_any, _COUNTERS_MISSING = _counters()
+_publish, _least, _await_any, _read_from, _COUNTERS_MISSING = _counters()
 
 
 def shm_status() -> str:
@@ -295,6 +300,10 @@ class SharedPath:
         self._scratch = np.empty(chunk + 2 * _PAGE, np.uint8)  # see reduce_into
         self._scratch_page = (-self._scratch.ctypes.data) % _PAGE
         self._views: dict[np.dtype, tuple[list[list[np.ndarray]], list[list[np.ndarray]]]] = {}
+        # a word the other ranks read with read_from at set-up (_agree_one_copy); whether they all could
+        self._probe = np.zeros(1, np.int64)
+        self._nonce = 0
+        self.one_copy = False
         self._reducers: dict[TypeEntry, list[Any]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -379,17 +388,56 @@ class SharedPath:
         limits = {c: (ends[5 * i + 1], -ends[5 * i + 2]) for i, c in cols}
         prior = {c: (ends[5 * i + 3], -ends[5 * i + 4]) for i, c in cols if ends[5 * i + 3] < shm_tuning.NEVER}
         path = cls(rank, size, mem, limits, frozenset(c for i, c in cols if ends[5 * i]), prior, chunk)
+        path._announce(int(agreed[4]))
         _publish(path.mine + _ATTACHED, 1)
-        if rank == 0:  # every rank has mapped it (or the wait ran out): the name can go
-            try:
-                if not poll(
-                    lambda: _least(path.base + _ATTACHED, size, path.per) >= 1,
-                    backend.timeout_s, backend.spins, (backend.group_name, fn, backend.seq),
-                ):  # fmt: skip
-                    raise backend.timeout_failure(fn, backend.seq, backend.timeout_s)
-            finally:
+        try:  # every rank has mapped it (or the wait ran out): rank 0 unlinks the name
+            if not poll(
+                lambda: _least(path.base + _ATTACHED, size, path.per) >= 1,
+                backend.timeout_s, backend.spins, (backend.group_name, fn, backend.seq),
+            ):  # fmt: skip
+                raise backend.timeout_failure(fn, backend.seq, backend.timeout_s)
+        finally:
+            if rank == 0:
                 _unlink(name)
+        path.one_copy = path._agree_one_copy(backend, fn)
         return path
+
+    def _announce(self, nonce: int) -> None:
+        """Write this rank's pid and its probe word's address into its header (before it attaches); the word
+        holds a value made of the pid, the rank and the segment's ``nonce``, which a process read by mistake
+        (ranks in different PID namespaces see other processes under the pids written here) does not hold."""
+        self._nonce = nonce
+        self._probe[0] = _probe_value(os.getpid(), self.rank, nonce)
+        _publish(self.mine + _PID, os.getpid())
+        _publish(self.mine + _PROBE, self._probe.ctypes.data)
+
+    def _agree_one_copy(self, backend: Any, fn: str) -> bool:
+        """Whether every rank read every other rank's probe word with ``read_from`` (the kernel may forbid it:
+        Yama's ptrace_scope, a container's seccomp filter, another user): one Iallreduce (MIN) of each rank's
+        answer, polled within the group's timeout. The one-copy variant is measured only where it is True."""
+        ok = _read_from is not None and shm_tuning.one_copy_enabled()
+        got = np.zeros(1, np.int64)
+        for k in range(self.size):
+            if not ok:
+                break
+            if k == self.rank:
+                continue
+            at = self.base + k * self.per
+            pid = _least(at + _PID, 1, self.per)
+            try:
+                _read_from(pid, _least(at + _PROBE, 1, self.per), got.ctypes.data, 8)
+            except OSError as exc:
+                _log.info("%s: group %s, rank %d: no one-copy variant: reading rank %d's memory failed (%s)",
+                          fn, backend.group_name or "default", self.rank, k, exc)  # fmt: skip
+                ok = False
+            else:
+                ok = int(got[0]) == _probe_value(pid, k, self._nonce)
+        mine, agreed = np.array([int(ok)], np.int64), np.zeros(1, np.int64)
+        req = backend.comm.Iallreduce(mine, agreed, MPI.MIN)
+        if not req.Test() and not poll(req.Test, backend.timeout_s, backend.spins, (backend.group_name, fn, backend.seq)):
+            backend.keep_stuck([req], (mine, agreed))
+            raise backend.timeout_failure(fn, backend.seq, backend.timeout_s)
+        return bool(agreed[0])
 
     def release(self) -> None:
         """Give this rank's part of the segment back to the node's budget (the group is being freed)."""
@@ -460,19 +508,37 @@ class SharedPath:
         return op
 
     def all_reduce(self, x: np.ndarray, r: Reducer) -> SharedOp:
-        return self.issue(_AllReduce(self, x.reshape(-1), r, None))
+        return self.issue(_AllReduce(self, _flat(x), r, None))
 
     def reduce(self, x: np.ndarray, r: Reducer, root: int) -> SharedOp:
-        return self.issue(_AllReduce(self, x.reshape(-1), r, root))
+        return self.issue(_AllReduce(self, _flat(x), r, root))
 
-    def broadcast(self, x: np.ndarray, root: int) -> SharedOp:
-        return self.issue(_Broadcast(self, x.reshape(-1), root))
+    def broadcast(self, x: np.ndarray, root: int, one_copy: bool = False) -> SharedOp:
+        """Broadcast through the slots, or (``one_copy``, where ``self.one_copy``) each rank reading the root's
+        array straight from its memory."""
+        kind = _OneCopyBroadcast if one_copy else _Broadcast
+        return self.issue(kind(self, _flat(x), root))
 
-    def all_gather(self, out: np.ndarray, inp: np.ndarray | None) -> SharedOp:
-        return self.issue(_AllGather(self, out.reshape(-1), inp))
+    def all_gather(self, out: np.ndarray, inp: np.ndarray | None, one_copy: bool = False) -> SharedOp:
+        """all_gather_into_tensor through the slots, or (``one_copy``) each rank reading the others' inputs."""
+        kind = _OneCopyAllGather if one_copy else _AllGather
+        return self.issue(kind(self, _flat(out), inp))
 
     def reduce_scatter(self, out: np.ndarray, inp: np.ndarray, r: Reducer) -> SharedOp:
-        return self.issue(_ReduceScatter(self, out.reshape(-1), inp.reshape(-1), r))
+        return self.issue(_ReduceScatter(self, _flat(out), _flat(inp), r))
+
+
+def _probe_value(pid: int, rank: int, nonce: int) -> int:
+    """What rank ``rank``'s probe word holds in the segment of ``nonce``: a number a misread is unlikely to give."""
+    digest = hashlib.blake2b(f"{pid}:{rank}:{nonce}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """``x`` as one dimension, the same memory (the backend hands the path contiguous arrays only)."""
+    if not x.flags.c_contiguous:  # pragma: no cover - a caller's bug, not a user's
+        raise RuntimeError("the shared-memory path was handed a non-contiguous array")
+    return x.reshape(-1)
 
 
 def _aliases(out: int, source: int) -> bool:
@@ -811,3 +877,73 @@ class _ReduceScatter(SharedOp):
 
     def _collect(self, i: int, p: int) -> None:
         pass
+
+
+class _OneCopyBroadcast(SharedOp):
+    """broadcast in one copy: the root announces its array's address, every other rank reads the whole message
+    from the root's memory (``_shm.read_from``), and the root completes once every rank has read it."""
+
+    __slots__ = ("x", "root")
+    _gate_count = 1
+
+    def _gate(self) -> int:
+        return self.path.base + self.root * self.path.per + _DEPOSITED
+
+    def __init__(self, path: SharedPath, x: np.ndarray, root: int) -> None:
+        super().__init__(path, 1)
+        self.x, self.root = x, root
+
+    def _deposit(self, i: int, p: int) -> None:
+        if self.path.rank == self.root:
+            _publish(self.path.mine + _ADDRESS + 8 * p, self.x.ctypes.data)
+
+    def _combine(self, i: int, p: int) -> None:
+        path = self.path
+        if path.rank != self.root and self.x.nbytes:
+            _read(path, self.root, p, self.x.ctypes.data, self.x.nbytes)
+
+    def _collect(self, i: int, p: int) -> None:
+        pass  # the collect phase's wait (every rank has combined) is what keeps the root's array until all read it
+
+
+class _OneCopyAllGather(SharedOp):
+    """all_gather_into_tensor in one copy: each rank announces its input's address and reads every other rank's
+    input straight into its output; each completes once every rank has read its input."""
+
+    __slots__ = ("out", "inp", "m", "in_place")
+
+    def __init__(self, path: SharedPath, out: np.ndarray, inp: np.ndarray | None) -> None:
+        super().__init__(path, 1)
+        self.in_place = inp is None
+        self.m = out.size // path.size
+        self.out = out
+        self.inp = out[path.rank * self.m : (path.rank + 1) * self.m] if inp is None else _flat(inp)
+
+    def _deposit(self, i: int, p: int) -> None:
+        _publish(self.path.mine + _ADDRESS + 8 * p, self.inp.ctypes.data)
+
+    def _combine(self, i: int, p: int) -> None:
+        path, m, out = self.path, self.m, self.out
+        nbytes = self.inp.nbytes
+        for k in range(path.size):
+            block = out[k * m : (k + 1) * m]
+            if k != path.rank:
+                if nbytes:
+                    _read(path, k, p, block.ctypes.data, nbytes)
+            elif not self.in_place:
+                np.copyto(block, self.inp)
+
+    def _collect(self, i: int, p: int) -> None:
+        pass  # as _OneCopyBroadcast's: the wait for every rank's combine keeps this rank's input until all read it
+
+
+def _read(path: SharedPath, k: int, p: int, into: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from the array rank ``k`` announced for slot parity ``p`` to address ``into``."""
+    at = path.base + k * path.per
+    try:
+        _read_from(_least(at + _PID, 1, path.per), _least(at + _ADDRESS + 8 * p, 1, path.per), into, nbytes)
+    except OSError as exc:
+        raise DistBackendError(
+            f"the shared-memory path's one-copy read of {nbytes} bytes from rank {k} failed ({exc}), although it "
+            "worked when the group was set up; set MPIDIST_SHM=0 to use MPI's calls only"
+        ) from exc

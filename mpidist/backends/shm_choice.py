@@ -5,7 +5,10 @@ For each collective the shared-memory path serves (``shm.py``), each dtype and o
 of two from ``shm_tuning.SETUP_FLOOR`` up: 16-32 KiB, 32-64 KiB, ...), a group's first
 :data:`ROUND` calls alternate in blocks between the shared-memory path and MPI's own
 call, which give the same results: :data:`WARM` + 1 calls on one, then as many on the
-other, :data:`SAMPLES` blocks of each. Each rank times the last call of each block where
+other, :data:`SAMPLES` blocks of each. broadcast and all_gather_into_tensor from
+:data:`ONE_COPY_FLOOR` bytes, in a group whose ranks may read each other's memory
+(``SharedPath.one_copy``), have a third way in the rotation, the path's one-copy
+variant (``ONE_COPY``): then a round is half as long again. Each rank times the last call of each block where
 that call is blocking, from its issue to its completion: the first calls of a block take
 the switch, where another rank may still be finishing the previous call on the other
 path (the source of a broadcast is done long before the others), so that the timed call
@@ -19,7 +22,8 @@ nonblocking ``Iallreduce`` (MAX) of each rank's medians (0, which leaves the max
 the others, for a path this rank has no timing of), and takes MPI's call, as do the
 next :data:`AGREE_LAG` - 1 calls; the call after them (the :data:`CHOSEN_AT` + 1-th)
 waits for the agreement, within the group's timeout, and takes the path every rank then
-computes: shared memory only where the slowest rank's median for it is at most
+computes: shared memory (of its variants, the one whose slowest rank's median is
+lower) only where the slowest rank's median for it is at most
 :data:`MARGIN` times MPI's (:data:`PRIOR_MARGIN` where the ``--tune`` table says shared
 memory wins at that size: the table is a prior, not the last word), MPI's call where no
 rank timed one of the paths. So no async call waits for the other ranks, except that
@@ -60,11 +64,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..work import poll
-from .shm_tuning import CLASSES, MPI_CALL, NEVER, SHARED, TRIAL, Range
+from .shm_tuning import CLASSES, MPI_CALL, NEVER, ONE_COPY, SHARED, TRIAL, Range
 
 __all__ = [
-    "Chooser", "Route", "MPI_CALL", "SHARED", "TRIAL", "CLASSES", "WARM", "SAMPLES", "ROUND", "AGREE_LAG",
-    "CHOSEN_AT", "MARGIN", "PRIOR_MARGIN",
+    "Chooser", "Route", "MPI_CALL", "SHARED", "ONE_COPY", "TRIAL", "CLASSES", "WARM", "SAMPLES", "ROUND",
+    "AGREE_LAG", "CHOSEN_AT", "MARGIN", "PRIOR_MARGIN", "ONE_COPY_FLOOR", "ONE_COPY_COLLECTIVES",
 ]  # fmt: skip
 
 _log = logging.getLogger("mpidist")
@@ -89,8 +93,16 @@ PRIOR_MARGIN = 1.0
 #: calls of a class between its choice and its next measurement; doubles after each, up to RECHECK_LAST
 RECHECK_FIRST = 256
 RECHECK_LAST = 1 << 14
-#: a test hook: this rank's timings of (MPI's call, shared memory) are multiplied by these factors
-skew = (1.0, 1.0)
+#: the collectives with a one-copy variant, and the smallest size class that measures it: below, a system call
+#: and the kernel's page walk cost more than the copy through the (cache-resident) slots saves
+ONE_COPY_COLLECTIVES = frozenset({"broadcast", "all_gather_into_tensor"})
+ONE_COPY_FLOOR = 256 << 10
+#: a test hook: this rank's timings of (MPI's call, shared memory) are multiplied by these factors (the one-copy
+#: variant's by the second, or by a third where given)
+skew: tuple[float, ...] = (1.0, 1.0)
+#: where each way's timings go in Route.times
+_SLOT = {MPI_CALL: 0, SHARED: 1, ONE_COPY: 2}
+_NAMES = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "shared memory, one copy"}
 
 
 def _size(n: int) -> str:
@@ -112,62 +124,82 @@ def _us(seconds: float) -> str:
     return "-" if seconds <= 0 else f"{seconds * 1e6:.1f} us"
 
 
+def _best(ways: tuple[int, ...], medians: list[float], margin: float) -> int:
+    """The way of the lowest median among the shared-memory ways, where it is at most ``margin`` times MPI's
+    (``medians``: MPI's first, then the shared-memory ways' in the order of ``ways`` after MPI; 0 is no timing)."""
+    t_mpi = medians[0]
+    shared = [(t, w) for t, w in zip(medians[1:], (w for w in ways if w != MPI_CALL)) if t > 0]
+    if t_mpi <= 0 or not shared:
+        return MPI_CALL
+    t, w = min(shared)
+    return w if t <= margin * t_mpi else MPI_CALL
+
+
 class Route:
     """One size class of one collective (and dtype and op): its choice, or where its measuring stands."""
 
     __slots__ = (
-        "fn", "label", "bits", "prior", "way", "chosen", "left", "interval", "calls", "times", "told", "agreement",
+        "fn", "label", "bits", "prior", "ways", "round", "way", "chosen", "left", "interval", "calls", "times", "told",
+        "agreement",
     )  # fmt: skip
 
-    def __init__(self, fn: str, label: str, bits: int, prior: bool) -> None:
+    def __init__(self, fn: str, label: str, bits: int, prior: bool, one_copy: bool = False) -> None:
         self.fn, self.label, self.bits = fn, label, bits
         self.prior = prior  # the --tune table says shared memory wins here (agreed by every rank at set-up)
+        # the measured ways, in the order of their blocks: shared memory first, then MPI, then the one-copy variant
+        self.ways = (SHARED, MPI_CALL, ONE_COPY) if one_copy else (SHARED, MPI_CALL)
+        self.round = len(self.ways) * SAMPLES * (WARM + 1)  # the measured calls (ROUND for two ways)
         self.way = TRIAL  # what the calls take now: MPI_CALL or SHARED once chosen, TRIAL while measuring
         self.chosen = TRIAL  # the last choice (TRIAL before the first): a new one is logged where it differs
         self.left = 0  # calls until the next measuring (decided) or measured calls made (measuring)
         self.interval = RECHECK_FIRST
         self.calls = 0  # measured calls issued in this round
-        self.times: tuple[list[float], list[float]] = ([], [])  # this rank's timings: MPI's call, shared memory
+        self.times: tuple[list[float], ...] = ([], [], [])  # this rank's timings: MPI's call, shared memory, one copy
         self.told = False  # the choice was logged
         self.agreement: tuple[Any, np.ndarray, np.ndarray] | None = None  # the Iallreduce in flight and its buffers
 
-    def add(self, shared: bool, seconds: float) -> None:
-        """A timing of one measured call."""
-        self.times[shared].append(seconds * skew[shared])
+    def add(self, way: int, seconds: float) -> None:
+        """A timing of one measured call of ``way``."""
+        k = _SLOT[way]
+        self.times[k].append(seconds * skew[min(k, len(skew) - 1)])
 
-    def medians(self) -> tuple[float, float]:
-        """This rank's medians (0 where a path has no timing: the other ranks' then decide)."""
-        return _median(self.times[0]), _median(self.times[1])
+    def medians(self) -> tuple[float, ...]:
+        """This rank's medians per way, MPI's first (0 where a way has no timing: the other ranks' then decide)."""
+        return tuple(_median(self.times[_SLOT[w]]) for w in (MPI_CALL, *self.ways[:1], *self.ways[2:]))
 
     def sizes(self) -> str:
         return f"{_size(1 << (self.bits - 1))}-{_size(1 << self.bits)}"
 
     def describe(self) -> str:
         if self.way == TRIAL:
-            if self.calls > ROUND:
-                return f"measuring (agreeing: the choice from call {CHOSEN_AT + 1} of the round, now {self.calls})"
-            return f"measuring ({self.calls} of {ROUND} calls)"
-        return "shared memory" if self.way == SHARED else "MPI"
+            if self.calls > self.round:
+                chosen_at = self.round + AGREE_LAG
+                return f"measuring (agreeing: the choice from call {chosen_at + 1} of the round, now {self.calls})"
+            return f"measuring ({self.calls} of {self.round} calls)"
+        return _NAMES[self.way]
 
 
 class Chooser:
     """A group's choices of path per collective, dtype and op, and size class (see the module docstring).
 
     ``backend`` is the group's ``MPIBackend`` (its communicator, timeout and call numbers);
-    ``prior`` the agreed ``--tune`` ranges where shared memory won.
+    ``prior`` the agreed ``--tune`` ranges where shared memory won; ``one_copy`` whether the
+    one-copy variant may be measured (every rank can read the others' memory).
     """
 
-    def __init__(self, backend: Any, prior: dict[str, Range]) -> None:
+    def __init__(self, backend: Any, prior: dict[str, Range], one_copy: bool = False) -> None:
         self.backend = backend
         self.prior = prior
-        #: while a measured call runs again as the path it measures: True (shared memory) or False (MPI)
-        self.trying: bool | None = None
-        self.pending: tuple[Route, bool, bool] | None = None  # the measured call: its route, path, whether timed
+        #: while a measured call runs again as the path it measures: its way (SHARED, ONE_COPY or MPI_CALL)
+        self.trying: int | None = None
+        self.pending: tuple[Route, int, bool] | None = None  # the measured call: its route, way, whether timed
         self.routes: list[Route] = []  # every route made, for shared_memory_choices()
+        self.one_copy = one_copy  # the group's ranks may read each other's memory (SharedPath.one_copy)
 
     def _route(self, table: list[Route | None], fn: str, label: str, bits: int) -> Route:
         low, high = self.prior.get(fn, (NEVER, NEVER))
-        r = table[bits] = Route(fn, label, bits, low <= 1 << (bits - 1) <= high)
+        one_copy = self.one_copy and fn in ONE_COPY_COLLECTIVES and 1 << (bits - 1) >= ONE_COPY_FLOOR
+        r = table[bits] = Route(fn, label, bits, low <= 1 << (bits - 1) <= high, one_copy)
         self.routes.append(r)
         return r
 
@@ -184,14 +216,14 @@ class Chooser:
             r.left -= 1
             if r.left > 0:
                 return r.way
-            r.way, r.calls, r.times = TRIAL, 0, ([], [])  # measure again
-        if r.calls < ROUND:
+            r.way, r.calls, r.times = TRIAL, 0, ([], [], [])  # measure again
+        if r.calls < r.round:
             block, at = divmod(r.calls, WARM + 1)
-            self.pending = (r, not block & 1, at == WARM)  # shared memory first, then MPI, ...; the last one timed
+            self.pending = (r, r.ways[block % len(r.ways)], at == WARM)  # the ways in turn; a block's last timed
             r.calls += 1
             return TRIAL
-        if r.calls < CHOSEN_AT:  # the agreement is in flight: MPI's call meanwhile
-            if r.calls == ROUND:
+        if r.calls < r.round + AGREE_LAG:  # the agreement is in flight: MPI's call meanwhile
+            if r.calls == r.round:
                 self._ask(r)
             r.calls += 1
             return MPI_CALL
@@ -206,8 +238,8 @@ class Chooser:
         (it is timed only where it completed before returning): how long the program takes to test
         or wait for it says nothing of the path, and waiting here would block its caller.
         """
-        r, shared, timed = self.pending  # type: ignore[misc]
-        self.trying = shared
+        r, way, timed = self.pending  # type: ignore[misc]
+        self.trying = way
         start = _perf()
         try:
             work = again(True)
@@ -215,13 +247,13 @@ class Chooser:
             self.trying = None
         if work is None:  # complete at once
             if timed:
-                r.add(shared, _perf() - start)
+                r.add(way, _perf() - start)
             return None
         if async_op:
             return work
         work.wait()
         if timed:
-            r.add(shared, _perf() - start)
+            r.add(way, _perf() - start)
         return None
 
     def _ask(self, r: Route) -> None:
@@ -247,18 +279,20 @@ class Chooser:
             b.keep_stuck([req], (mine, agreed))
             r.way, r.left = MPI_CALL, RECHECK_LAST  # the group is unusable now; no later call waits for it again
             raise b.timeout_failure(fn, b.seq, b.timeout_s)
-        t_mpi, t_shm, no_prior = (float(v) for v in agreed)
+        *slowest, no_prior = (float(v) for v in agreed)
         margin = MARGIN if no_prior else PRIOR_MARGIN
-        way = SHARED if t_mpi > 0 and 0 < t_shm <= margin * t_mpi else MPI_CALL
+        way = _best(r.ways, slowest, margin)
+        t_mpi, t_shm = slowest[0], slowest[1 + (way == ONE_COPY)]
         changed = r.chosen != TRIAL and way != r.chosen
         r.way = r.chosen = way
         r.left = r.interval
         r.interval = min(2 * r.interval, RECHECK_LAST)
         if not r.told or changed:
             r.told = True
-            here_mpi, here_shm = r.medians()
-            mine_way = "shared memory" if 0 < here_shm <= margin * here_mpi else "MPI"
-            timed = ", ".join(f"{len(t)}" for t in r.times)
+            here = r.medians()
+            here_mpi, here_shm = here[0], here[1 + (way == ONE_COPY)]
+            mine_way = _NAMES[_best(r.ways, list(here), margin)]
+            timed = ", ".join(f"{len(r.times[_SLOT[w]])}" for w in (MPI_CALL, *r.ways[:1], *r.ways[2:]))
             _log.info(
                 "%s, %s, group %s, rank %d: %s%s (slowest rank's median of up to %d timed calls each: MPI %s, shared "
                 "memory %s; here: MPI %s, shared memory %s (of %s blocking calls timed), alone it would take %s; "

@@ -13,7 +13,11 @@ and the ranks agree on the faster. This module holds what overrides or informs t
    a table written for another library is ignored) is a prior (:func:`prior`): in its
    ranges shared memory needs to win by less to be chosen (``shm_choice.PRIOR_MARGIN``);
 4. ``MPIDIST_SHM_NODE_BYTES`` (e.g. ``64M``) bounds the shared memory of every group of a node
-   together (:func:`node_budget`; by default half of ``/dev/shm``, at most 256 MiB).
+   together (:func:`node_budget`; by default half of ``/dev/shm``, at most 256 MiB);
+5. ``MPIDIST_SHM_ONE_COPY=0`` keeps the one-copy variant of broadcast and
+   all_gather_into_tensor (each rank reads the others' arrays with ``process_vm_readv``)
+   out of the measuring (:func:`one_copy_enabled`); a fixed range takes the variant that
+   copies through the segment.
 
 A range is ``(from, up to)`` in bytes, both included (``up to`` is :data:`NEVER` for no
 upper end). The size is the array every rank passes alike: all_reduce's, broadcast's
@@ -55,6 +59,9 @@ SETUP_FLOOR = 16 << 10
 #: what a call takes: MPI's own call, the shared-memory path, or a measured call of either (shm_choice.Chooser.next);
 #: here, not in shm_choice.py, so that the MPI backend reads them without importing the measuring at start-up
 MPI_CALL, SHARED, TRIAL = 0, 1, 2
+#: ... or the shared-memory path's one-copy variant (broadcast, all_gather_into_tensor: each rank reads the others'
+#: arrays straight from their memory, ``shm.py``), where the kernel lets the group's ranks do that
+ONE_COPY = 3
 #: the size classes of the measured choice: a call of n bytes is in class n.bit_length() (2**(k-1) <= n < 2**k)
 CLASSES = 64
 
@@ -63,12 +70,18 @@ Range = tuple[int, int]
 
 ENV_SWITCH = "MPIDIST_SHM"
 ENV_THRESHOLDS = "MPIDIST_SHM_THRESHOLDS"
+ENV_ONE_COPY = "MPIDIST_SHM_ONE_COPY"
 ENV_TUNE_FILE = "MPIDIST_SHM_TUNE_FILE"
 ENV_NODE_BYTES = "MPIDIST_SHM_NODE_BYTES"
 #: the default bound of a node's shared memory, where ``/dev/shm`` is larger than twice this
 NODE_BUDGET_MAX = 256 << 20
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}  # fmt: skip
+
+
+def one_copy_enabled() -> bool:
+    """Whether this process lets its groups measure the one-copy variant (``MPIDIST_SHM_ONE_COPY``, default on)."""
+    return bool(env_flag(ENV_ONE_COPY, default=True))
 
 
 def enabled() -> bool:

@@ -336,3 +336,135 @@ def test_a_choice_is_logged_once_and_again_only_where_a_check_changes_it(caplog)
     assert one_round(1.0, 2.0) == shm_choice.MPI_CALL
     again = logged()
     assert len(again) == 1 and ": MPI (changed) (" in again[0], again
+
+
+def _round_of(ch: shm_choice.Chooser, fn: str, nbytes: int, seconds: dict[int, float]) -> int:
+    """Step ``ch`` through one round of measured calls of ``fn`` (timings per way), then the agreement; return
+    what the next call takes."""
+    table = [None] * shm_choice.CLASSES
+    assert ch.next(table, fn, "", nbytes) == shm_choice.TRIAL
+    route = table[nbytes.bit_length()]
+    for k in range(route.round):
+        if k:
+            assert ch.next(table, fn, "", nbytes) == shm_choice.TRIAL
+        r, way, timed = ch.pending
+        if timed:
+            r.add(way, seconds[way])
+    for _ in range(shm_choice.AGREE_LAG):
+        assert ch.next(table, fn, "", nbytes) == shm_choice.MPI_CALL
+    return ch.next(table, fn, "", nbytes)
+
+
+@pytest.mark.one_rank
+def test_three_ways_where_the_one_copy_variant_is_measured():
+    """broadcast and all_gather_into_tensor from ONE_COPY_FLOOR, in a group whose ranks may read each other's
+    memory, measure three ways in turn (a round half as long again) and take the fastest shared-memory way where
+    it beats MPI's call by the margin; other collectives, smaller classes and other groups measure two."""
+    mpi, shared, one = shm_choice.MPI_CALL, shm_choice.SHARED, shm_choice.ONE_COPY
+    big = shm_choice.ONE_COPY_FLOOR
+    for fn in sorted(shm_choice.ONE_COPY_COLLECTIVES):
+        assert _round_of(shm_choice.Chooser(_Alone(), {}, True), fn, big, {mpi: 1.0, shared: 0.95, one: 0.5}) == one
+        assert _round_of(shm_choice.Chooser(_Alone(), {}, True), fn, big, {mpi: 1.0, shared: 0.5, one: 0.6}) == shared
+        assert _round_of(shm_choice.Chooser(_Alone(), {}, True), fn, big, {mpi: 1.0, shared: 0.97, one: 0.95}) == mpi
+    ch = shm_choice.Chooser(_Alone(), {}, True)
+    table = [None] * shm_choice.CLASSES
+    ch.next(table, "broadcast", "", big)
+    ways = [ch.pending[1]]
+    route = table[big.bit_length()]
+    assert route.round == 3 * shm_choice.SAMPLES * (shm_choice.WARM + 1)
+    for _ in range(route.round - 1):
+        ch.next(table, "broadcast", "", big)
+        ways.append(ch.pending[1])
+    assert ways.count(one) == ways.count(shared) == ways.count(mpi) == route.round // 3, ways
+    assert route.describe().startswith("measuring (")
+    for fn, nbytes, one_copy in [("broadcast", big // 2, True), ("all_reduce", big, True), ("broadcast", big, False)]:
+        table = [None] * shm_choice.CLASSES
+        shm_choice.Chooser(_Alone(), {}, one_copy).next(table, fn, "", nbytes)
+        assert table[nbytes.bit_length()].ways == (shared, mpi), (fn, nbytes, one_copy)
+
+
+def _one_copy_calls(g: Any, c: Checks, what: str, nbytes: int, k: int) -> None:
+    """broadcast from every root and all_gather_into_tensor (in place, not) of ``nbytes`` on ``g``, checked; call
+    ``k`` 1 (one measured call of each class: no timing, a way keeps others) and 99 are async."""
+    m = nbytes // 4
+    for root in range(SIZE):
+        x = np.full(m, RANK * 10.0 + k, np.float32)
+        if k in (1, 99) and (root == 0 or k == 99):
+            dist.broadcast(x, src=root, group=g, async_op=True).wait()
+        else:
+            dist.broadcast(x, src=root, group=g)
+        c.true(f"{what}: broadcast {k} from {root}", (x == root * 10.0 + k).all())
+    out = np.zeros(m * SIZE, np.float32)
+    mine = np.arange(m, dtype=np.float32) + RANK * 1000 + k
+    expected = np.concatenate([np.arange(m, dtype=np.float32) + r * 1000 + k for r in range(SIZE)])
+    dist.all_gather_into_tensor(out, mine, group=g)
+    c.true(f"{what}: all_gather_into_tensor {k}", (out == expected).all())
+    out[:] = 0
+    out[RANK * m : (RANK + 1) * m] = mine
+    if k in (1, 99):
+        dist.all_gather_into_tensor(out, out[RANK * m : (RANK + 1) * m], group=g, async_op=True).wait()
+    else:
+        dist.all_gather_into_tensor(out, out[RANK * m : (RANK + 1) * m], group=g)
+    c.true(f"{what}: all_gather_into_tensor {k} in place", (out == expected).all())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_one_copy_variant_is_chosen_where_it_measures_fastest_and_is_right(monkeypatch):
+    """Where this rank's clock makes the one-copy variant fastest on every rank, every rank takes it; results
+    are right on every call (every root, in place, async) during the measuring and after it; calls after
+    the choice move no chunk through the slots. Where ranks' clocks disagree, they still agree."""
+    if shm._read_from is None:
+        pytest.skip("the C module is not built: no one-copy variant")
+    c = Checks()
+    for label, skew in [
+        ("one copy fastest everywhere", (1e4, 1e4, 1.0)),
+        ("ranks disagree", (1e4, 1.0, 1e4) if RANK == 0 else (1e4, 1e4, 1.0)),
+    ]:
+        monkeypatch.setattr(shm_choice, "skew", skew)
+        g = group_under(dist, {})
+        nbytes = shm_choice.ONE_COPY_FLOOR + 4096
+        for k in range(3 * shm_choice.SAMPLES * (shm_choice.WARM + 1) + shm_choice.AGREE_LAG + 1):
+            _one_copy_calls(g, c, label, nbytes, k)
+        path = backend_of(g).shared_memory()
+        c.true(f"{label}: the group's ranks could not read each other's memory", path is not None and path.one_copy)
+        setup = f"{shm_tuning.SETUP_FLOOR >> 10} KiB-"  # group_under's call that set the path up
+        choices = sorted((fn, way) for fn, _, sizes, way in backend_of(g).shared_memory_choices() if setup not in sizes)
+        c.identical(f"{label}: the choices", np.frombuffer(repr(choices).encode().ljust(400), np.uint8))
+        if label.startswith("one copy"):
+            c.equal(f"{label}: the choices", choices,
+                    [("all_gather_into_tensor", "shared memory, one copy"), ("broadcast", "shared memory, one copy")])  # fmt: skip
+            before = _chunks(g)
+            _one_copy_calls(g, c, label + ", after the choice", nbytes, 99)
+            c.equal(f"{label}: chunks through the segment after the choice (one per call)", _chunks(g) - before,
+                    SIZE + 2)  # fmt: skip
+        dist.destroy_process_group(g)
+    c.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_may_not_read_the_others_keeps_the_group_off_the_one_copy_variant(monkeypatch):
+    """Where the kernel refuses one rank's read of another's memory (Yama, seccomp, another user), or a rank sets
+    MPIDIST_SHM_ONE_COPY=0, no rank of the group measures the variant, and every result is right."""
+    if shm._read_from is None:
+        pytest.skip("the C module is not built: no one-copy variant")
+
+    def refused(*_: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    c = Checks()
+    monkeypatch.setattr(shm_choice, "skew", (1e4, 1e4, 1.0))
+    for label, env in [("rank 1 refused", {}), ("rank 1 sets MPIDIST_SHM_ONE_COPY=0", {"MPIDIST_SHM_ONE_COPY": "0"})]:
+        with monkeypatch.context() as m:
+            if RANK == 1 and not env:
+                m.setattr(shm, "_read_from", refused)
+            g = group_under(dist, env if RANK == 1 else {})
+            nbytes = shm_choice.ONE_COPY_FLOOR
+            for k in range(shm_choice.CHOSEN_AT + 1):
+                _one_copy_calls(g, c, label, nbytes, k)
+        path = backend_of(g).shared_memory()
+        c.true(f"{label}: the group measures the one-copy variant", path is not None and not path.one_copy)
+        ways = [way for _, _, _, way in backend_of(g).shared_memory_choices()]
+        c.true(f"{label}: no class measured: {ways}", len(ways) >= 3)
+        c.true(f"{label}: a choice of one copy: {ways}", all("one copy" not in w for w in ways))
+        dist.destroy_process_group(g)
+    c.done()
