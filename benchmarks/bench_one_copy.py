@@ -56,6 +56,17 @@ def per_call(comm: MPI.Comm, f: Callable[[], Any], reps: int) -> float:
     return comm.allreduce((time.perf_counter() - start) / reps, MPI.MAX)
 
 
+def calls_of(coll: str, x: np.ndarray, out: np.ndarray, comm: MPI.Comm, groups: dict[str, Any]) -> dict[str, Any]:
+    """One call of ``coll`` per column: raw mpi4py's, then mpidist's on each of ``groups``."""
+    if coll == "broadcast":
+        calls = {"raw": lambda: comm.Bcast(x, 0)}
+        calls.update({k: (lambda g=g: dist.broadcast(x, 0, group=g)) for k, g in groups.items()})
+    else:
+        calls = {"raw": lambda: comm.Allgather(x, out)}
+        calls.update({k: (lambda g=g: dist.all_gather_into_tensor(out, x, group=g)) for k, g in groups.items()})
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="bytes per rank's array")
@@ -79,18 +90,7 @@ def main() -> None:
             x = np.ones(nbytes // 4, np.float32)
             out = np.zeros(nbytes // 4 * n, np.float32)
             reps = max(5, (64 << 20) // (nbytes * (1 if coll == "broadcast" else n)))
-            if coll == "broadcast":
-                calls = {
-                    "raw": lambda: comm.Bcast(x, 0),
-                    "copy": lambda: dist.broadcast(x, 0, group=two),
-                    "one": lambda: dist.broadcast(x, 0, group=one),
-                }
-            else:
-                calls = {
-                    "raw": lambda: comm.Allgather(x, out),
-                    "copy": lambda: dist.all_gather_into_tensor(out, x, group=two),
-                    "one": lambda: dist.all_gather_into_tensor(out, x, group=one),
-                }
+            calls = calls_of(coll, x, out, comm, {"copy": two, "one": one})
             times: dict[str, list[float]] = {k: [] for k in calls}
             for f in calls.values():
                 f()

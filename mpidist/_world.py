@@ -37,17 +37,32 @@ class BackendEntry:
 
 
 class Stats:
-    """Counters of work done outside MPI (staging copies), for tests and benchmarks."""
+    """Counters of work done outside MPI (staging copies), for tests and benchmarks.
 
-    __slots__ = ("copies", "copied_bytes")
+    ``copies`` and ``copied_bytes`` include the copies C code counts itself (``counted_in_c``: the
+    small blocking recv's copy out of its scratch buffer, ``backends/_direct_p2p.c``).
+    """
+
+    __slots__ = ("_copies", "_copied_bytes", "counted_in_c")
 
     def __init__(self) -> None:
-        self.copies = 0
-        self.copied_bytes = 0
+        self._copies = 0
+        self._copied_bytes = 0
+        self.counted_in_c: Callable[[], tuple[int, int]] | None = None  # set where the C calls are bound
 
     def count_copy(self, nbytes: int) -> None:
-        self.copies += 1
-        self.copied_bytes += int(nbytes)
+        self._copies += 1
+        self._copied_bytes += int(nbytes)
+
+    @property
+    def copies(self) -> int:
+        """Staging copies made so far in this process."""
+        return self._copies + (self.counted_in_c()[0] if self.counted_in_c else 0)
+
+    @property
+    def copied_bytes(self) -> int:
+        """Their bytes."""
+        return self._copied_bytes + (self.counted_in_c()[1] if self.counted_in_c else 0)
 
 
 @dataclass

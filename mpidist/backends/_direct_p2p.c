@@ -12,7 +12,7 @@
  *                                          size into `buf` (docs/sharp-bits.md). Two routes, by size:
  *   - small (at most scratch_max bytes, bind_p2p's): MPI_Irecv into this communicator's scratch buffer of SCRATCH_CAP
  *     bytes, tested `spins` times; a message of exactly buf's size is copied into buf (a few ns at these
- *     sizes), any other leaves buf untouched, and the size check is MPI_Get_count on the status (a
+ *     sizes; counted: scratch_copies()), any other leaves buf untouched, and the size check is MPI_Get_count on the status (a
  *     message longer than the scratch buffer ends with MPI_ERR_TRUNCATE). No probe: MPI matches the
  *     message on arrival, as for raw Irecv.
  *   - large: MPI_Improbe up to `spins` times; a message of buf's size is received into buf (MPI_Imrecv,
@@ -55,6 +55,7 @@ static struct {
     int source_at;    /* the byte offset of MPI_SOURCE in an MPI_Status */
     int error_at;     /* the byte offset of MPI_ERROR in an MPI_Status */
     int scratch_max;  /* the largest blocking recv (bytes) through the scratch buffer */
+    long long copies, copied_bytes; /* the small route's copies from the scratch buffer (scratch_copies()) */
     PyTypeObject *request, *status;      /* mpi4py.MPI.Request and Status */
     void *(*request_get)(PyObject *);    /* mpi4py's PyMPIRequest_Get: the MPI_Request inside a Request */
     void *(*status_get)(PyObject *);     /* mpi4py's PyMPIStatus_Get: the MPI_Status inside a Status */
@@ -186,6 +187,8 @@ static PyObject *recv_small(Direct *self, void *b, int n, int peer, int tag, int
     }
     if (got == n) {
         memcpy(b, PyArray_DATA((PyArrayObject *)scratch), (size_t)n);
+        P.copies++; /* the GIL is held here */
+        P.copied_bytes += n;
         return PyLong_FromLong(source);
     }
     return Py_BuildValue("(ii)", source, got);
@@ -319,5 +322,12 @@ static PyObject *bind_p2p(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* scratch_copies() -> (copies, bytes): the small recv route's copies from its scratch buffer into the arrays so
+ * far, in this process (world.stats adds them to the staging copies it counts) */
+static PyObject *scratch_copies(PyObject *module, PyObject *unused) {
+    return Py_BuildValue("(LL)", P.copies, P.copied_bytes);
+}
+
 #define P2P_MODULE_METHODS \
-    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at, scratch_max, Request, Status, capi)"}
+    {"bind_p2p", bind_p2p, METH_VARARGS, "bind_p2p(library, byte, err_truncate, source_at, scratch_max, Request, Status, capi)"}, \
+    {"scratch_copies", scratch_copies, METH_NOARGS, "scratch_copies() -> (copies, bytes) of the small recv route"}

@@ -196,7 +196,10 @@ def _bind() -> DirectState:
     except (OSError, ValueError) as exc:
         return DirectState(None, str(exc))
     problem = _self_check(_direct)
-    return DirectState(None, problem) if problem else DirectState(_direct, "")
+    if problem:
+        return DirectState(None, problem)
+    world.stats.counted_in_c = _direct.scratch_copies  # the small recv's copies out of its scratch buffer
+    return DirectState(_direct, "")
 
 
 #: the largest blocking recv (bytes) that _direct_p2p.c receives through its scratch buffer, with no probe

@@ -275,6 +275,7 @@ class Receive(Work):
                 got = -3
             elif got == self._buf.size:
                 self._buf.reshape(-1).view(np.uint8)[:] = scratch[:nbytes]
+                world.stats.count_copy(nbytes)  # the small blocking recv's copy out of its scratch buffer
         longer = self._longer
         if longer is not None and (got >= 0 or longer_message):  # not when the message was not whole elements
             size = self._buf.size

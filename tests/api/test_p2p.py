@@ -878,3 +878,40 @@ def test_batch_of_ready_numpy_arrays_skips_the_general_checks(monkeypatch, rank,
     assert works[1].result()[0] is inp
     assert_equal(inp, np.arange(4.0) + prv(rank, world_size))
     assert (ops[0].peer, ops[0].group_peer, ops[0].tag) == (nxt(rank, world_size), nxt(rank, world_size), 5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_small_blocking_recv_counts_its_copy_out_of_the_scratch_buffer(rank):
+    """A blocking recv of at most ``direct.scratch_max()`` bytes receives through the C calls' scratch buffer and
+    copies into the array: that copy is counted in ``world.stats`` (one per message, of its bytes), whether the
+    message was there at once or came late (the pending route finishes in Python); a larger recv, a send and an
+    irecv copy nothing."""
+    from helpers import copies
+
+    from mpidist._world import world
+    from mpidist.backends import direct
+
+    small = direct.scratch_max() if direct.bind().module is not None else 0
+    c = Checks()
+    if rank < 2:
+        peer = 1 - rank
+        for nbytes, late in [(64, False), (4096, True), (small or 4096, False), (max(small, 4096) * 4, False)]:
+            x = np.zeros(nbytes // 8)
+            before, before_bytes = copies(), world.stats.copied_bytes
+            if rank == 0:
+                if late:
+                    time.sleep(0.05)
+                dist.send(np.arange(nbytes // 8, dtype=np.float64), dst=peer, tag=31)
+                c.equal(f"{nbytes} B: copies counted by a send", copies() - before, 0)
+            else:
+                dist.recv(x, src=peer, tag=31)
+                c.true(f"{nbytes} B: the message", bool((x == np.arange(nbytes // 8)).all()))
+                counted = 1 if nbytes <= small else 0
+                c.equal(f"{nbytes} B{' (late)' if late else ''}: copies counted", copies() - before, counted)
+                c.equal(f"{nbytes} B: bytes counted", world.stats.copied_bytes - before_bytes, counted * nbytes)
+        before = copies()
+        x = np.zeros(8)
+        w = dist.irecv(x, src=peer, tag=32) if rank == 1 else dist.isend(np.ones(8), dst=peer, tag=32)
+        w.wait()
+        c.equal("copies counted by isend/irecv", copies() - before, 0)
+    c.done()
