@@ -886,10 +886,10 @@ def test_the_small_blocking_recv_counts_its_copy_out_of_the_scratch_buffer(rank)
     copies into the array: that copy is counted in ``world.stats`` (one per message, of its bytes), whether the
     message was there at once or came late (the pending route finishes in Python); a larger recv, a send and an
     irecv copy nothing."""
-    from helpers import copies
-
     from mpidist._world import world
     from mpidist.backends import direct
+
+    from helpers import copies
 
     small = direct.scratch_max() if direct.bind().module is not None else 0
     c = Checks()
