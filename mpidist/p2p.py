@@ -374,6 +374,26 @@ def _prepared(p: P2POp, where: str) -> tuple[bool, Buffer, Backs, int, int]:
     return False, buf, None if target is None else [(buf, target)], p.group_peer, tag
 
 
+def _ready_batch(ops: list[Any]) -> list[tuple[bool, ndarray, int, int]] | None:
+    """``(is_send, array, group peer, tag)`` per operation where every one is a P2POp of the default group on a
+    ready numpy array (C-contiguous, writeable to receive into, a dtype mpidist sends as it is) with an int tag
+    in range, as ``isend``'s fast path takes them; else None, and the general path checks everything."""
+    tag_ub = world.init_info.tag_ub
+    ready = []
+    for p in ops:
+        if type(p) is not P2POp or p.group is not None:
+            return None
+        t, tag = p.tensor, p.tag
+        if type(t) is not ndarray or type(tag) is not int or not (tag == 0 or 0 < tag <= tag_ub) or t.dtype not in DTYPES:
+            return None
+        f = t.flags
+        send = p.op is isend
+        if not f.c_contiguous or not (send or f.writeable):
+            return None
+        ready.append((send, t, p.group_peer, tag))
+    return ready or None
+
+
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Post every send and receive of ``p2p_op_list`` at once; return their Works.
 
@@ -404,6 +424,13 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         array([1])  # rank 0
         array([0])  # rank 1
     """
+    pg = world.default_pg
+    if pg is not None and type(p2p_op_list) is list:  # the common case: ready numpy arrays on the default group
+        ready = _ready_batch(p2p_op_list)
+        if ready is not None:
+            works = pg.batch_fast(ready)
+            if works is not None:
+                return works
     fn = "batch_isend_irecv"
     if not isinstance(p2p_op_list, list) or not p2p_op_list:
         raise ValueError(f"{fn}: p2p_op_list must be a non-empty list of P2POp")

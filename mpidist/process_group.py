@@ -19,6 +19,9 @@ from .diagnose.debug import DebugBackend, DebugLevel
 from .errors import DefaultGroupStateError, DistError, RankNotInGroupError
 from .work import Work
 
+#: a backend's coalescing() that groups nothing (BaseBackend's): its batches may be posted one operation at a time
+_NO_COALESCING = BaseBackend.coalescing
+
 #: how long destroy_process_group waits for the other members before leaving the communicators allocated
 _FREE_AGREEMENT_S = 5.0
 
@@ -329,6 +332,18 @@ class ProcessGroup:
             for backend in distinct:
                 batch.enter_context(backend.coalescing())
             return _post_p2p(backends, ops)
+
+    def batch_fast(self, ops: list[tuple[bool, ndarray, int, int]]) -> list[Work] | None:
+        """Post ``(is_send, array, peer, tag)`` of the caller's own ready numpy arrays as ``isend_fast`` and
+        ``irecv_fast`` do, one after the other; None (nothing posted) where their backend groups a batch's
+        operations (its own ``coalescing``): then ``batch_p2p`` must post them."""
+        levels = self._route.get(ndarray)
+        if levels is None:
+            return None
+        b = levels[world.debug_level]
+        if type(b).coalescing is not _NO_COALESCING:
+            return None
+        return [b.isend_fast(t, peer, tag) if send else b.irecv_fast(t, peer, tag) for send, t, peer, tag in ops]
 
     # -- persistent operations (mpidist.persistent): routed like the one-off calls --------
     # Creation is rare, so it takes the general route, and always through the DebugBackend (index 1 of

@@ -112,6 +112,7 @@ CORE_METHODS: dict[str, tuple[str, Callable[[tuple], Iterable[Any]]]] = {
     "irecv_fast": ("recv", _first),
     "recv_blocking": ("recv", _first),
     "batch_p2p": ("batch_isend_irecv", _none),
+    "batch_fast": ("batch_isend_irecv", _none),
 }
 
 

@@ -8,6 +8,7 @@ check the received values in the very objects they passed.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any
@@ -915,3 +916,42 @@ def test_the_small_blocking_recv_counts_its_copy_out_of_the_scratch_buffer(rank)
         w.wait()
         c.equal("copies counted by isend/irecv", copies() - before, 0)
     c.done()
+
+
+def test_a_batch_of_ready_numpy_arrays_is_posted_as_isend_and_irecv_are(monkeypatch, rank, world_size):
+    """A batch of P2POps of the default group on ready numpy arrays goes straight to the backend's isend_fast and
+    irecv_fast (ProcessGroup.batch_fast), not through batch_p2p; one op that is not ready (a non-contiguous
+    array), or a backend that groups a batch's operations (its own coalescing()), sends the whole batch the general
+    way. The results are the same."""
+    from mpidist.backends.mpi import MPIBackend
+    from mpidist.process_group import ProcessGroup
+
+    general = []
+    real = ProcessGroup.batch_p2p
+
+    def counted(self, ops):
+        general.append(len(ops))
+        return real(self, ops)
+
+    monkeypatch.setattr(ProcessGroup, "batch_p2p", counted)
+
+    def ring(out_of: Any, salt: int) -> None:
+        out = out_of(np.arange(6.0) + 10 * rank + salt)
+        inp = np.zeros(6)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt(rank, world_size), tag=7),
+                                        dist.P2POp(dist.irecv, inp, prv(rank, world_size), tag=7)])  # fmt: skip
+        assert [w.wait() for w in works] == [True, True]
+        assert_equal(inp, np.arange(6.0) + 10 * prv(rank, world_size) + salt)
+
+    ring(lambda a: a, 1)
+    assert general == [], general
+    ring(lambda a: np.stack([a, a], axis=1)[:, 0], 2)  # a strided view: the general path stages it
+    assert general == [2], general
+
+    @contextlib.contextmanager
+    def grouped():
+        yield
+
+    monkeypatch.setattr(MPIBackend, "coalescing", lambda self: grouped(), raising=False)
+    ring(lambda a: a, 3)
+    assert general == [2, 2], general

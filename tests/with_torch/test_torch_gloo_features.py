@@ -121,11 +121,14 @@ def test_mpidist_api_records_events_with_array_shapes(pgs):
         received = dist.irecv(z, src=RANK)  # to this rank itself: isend/irecv's route of a numpy array
         dist.isend(x, dst=RANK).wait()
         received.wait()
+        # batch_isend_irecv's route of ready numpy arrays (ProcessGroup.batch_fast): one event, as batch_p2p's
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, z, RANK), dist.P2POp(dist.isend, x, RANK)]):
+            w.wait()
 
     got = [(e.name, e.input_shapes, e.is_async) for e in _profile(run) if e.name.startswith("mpidist:")]
     expected = [("mpidist:all_reduce", [[2, 5]], True), ("mpidist:all_reduce", [[7]], True),
                 ("mpidist:broadcast", [[2, 5]], True), ("mpidist:recv", [[2, 5]], True),
-                ("mpidist:send", [[2, 5]], True)]  # fmt: skip
+                ("mpidist:send", [[2, 5]], True), ("mpidist:batch_isend_irecv", [], True)]  # fmt: skip
     fail_together([] if sorted(got) == sorted(expected) else [f"got {got}, expected {expected}"])
 
 
