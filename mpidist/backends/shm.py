@@ -16,6 +16,11 @@ that share a node map one shared segment and move each chunk of a message once:
 * **reduce_scatter_tensor**: each rank copies the blocks others reduce into its slot
   and reduces its own block straight into its output.
 
+broadcast and all_gather_into_tensor also have a **one-copy** variant: each rank reads
+the source's (every other rank's) array straight from its memory (``_shm.read_from``,
+the kernel's ``process_vm_readv``), where every rank could read every other's probe
+word at set-up; the measuring (``shm_choice.py``) decides when it runs.
+
 A message goes in chunks (:data:`CHUNK` bytes, or less where the node's budget is
 tight, down to :data:`MIN_CHUNK`) through two slots per rank (double buffering), so
 one phase of a chunk overlaps the next chunk's copy. Ranks announce
@@ -29,7 +34,9 @@ float16/bfloat16 (``halfops.py``), and order keys for float MIN/MAX (``reduce_op
 An operation is a request like MPI's (:class:`SharedOp`): ``Test()`` does whatever
 the other ranks' counters allow and never waits, so ``work.poll`` (with its
 yields, the group's timeout and the "who is where" diagnosis) and ``Work`` (async_op)
-drive it as they drive MPI's requests. A group's operations run in issue order.
+drive it as they drive MPI's requests; a blocking wait polls ``spin()`` instead, which
+waits in C (bounded, GIL released) where no phase can move. A group's operations run in
+issue order.
 
 The segment is POSIX shared memory: the group's rank 0 creates it, every rank maps
 it, and rank 0 unlinks its name as soon as all have (milliseconds later), so a
