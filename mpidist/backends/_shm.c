@@ -106,7 +106,7 @@ static PyObject *await_any(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     long long end = now_ns() + budget;
     for (;;) {
-        for (int look = 0; look < LOOKS_PER_CLOCK && !met; look++) {
+        for (int look = 0; look < (yielding ? 1 : LOOKS_PER_CLOCK) && !met; look++) { /* a yield may take ms */
             for (int k = 0; k < 3 && !met; k++)
                 met = count[k] > 0 && least_of(address[k], count[k], stride) >= target[k];
             if (met) break;

@@ -113,10 +113,12 @@ _DEPOSITED, _COMBINED, _COLLECTED, _ATTACHED = 0, 64, 128, 192
 #: counter that announces it)
 _PID, _PROBE, _ADDRESS = 256, 264, 320
 #: A blocking call waits for the next phase in C (``_shm.await_any``, GIL released) for up to this long (ns) per
-#: test before ``poll`` looks at the clock; with more ranks than cores it yields the CPU between looks, as the
-#: direct calls' waits do (``_direct.c``'s YIELDING_NS).
-SPINNING_WAIT_NS = 1_000_000
-YIELDING_WAIT_NS = 10_000_000
+#: test; with more ranks than cores it yields the CPU between looks. ``poll`` counts each such wait as one test:
+#: it looks at the clock and answers the stall diagnosis every 64 tests (16 with more ranks than cores, after
+#: 144 first), so these stay short: 64 x 50 us = 3.2 ms, 16 x 200 us = 3.2 ms. (10 ms, as the direct calls
+#: wait in C once, made a timeout 1.4 s late at 3 ranks on 2 cores: the first clock check came 144 tests in.)
+SPINNING_WAIT_NS = 50_000
+YIELDING_WAIT_NS = 200_000
 
 _UFUNCS = {
     Prim.SUM: np.add, Prim.PROD: np.multiply, Prim.MIN: np.minimum, Prim.MAX: np.maximum,

@@ -103,6 +103,7 @@ skew: tuple[float, ...] = (1.0, 1.0)
 #: where each way's timings go in Route.times
 _SLOT = {MPI_CALL: 0, SHARED: 1, ONE_COPY: 2}
 _NAMES = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "shared memory, one copy"}
+_SHORT = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "one copy"}  # in the log's timings
 
 
 def _size(n: int) -> str:
@@ -124,11 +125,11 @@ def _us(seconds: float) -> str:
     return "-" if seconds <= 0 else f"{seconds * 1e6:.1f} us"
 
 
-def _best(ways: tuple[int, ...], medians: list[float], margin: float) -> int:
+def _best(order: tuple[int, ...], medians: list[float], margin: float) -> int:
     """The way of the lowest median among the shared-memory ways, where it is at most ``margin`` times MPI's
-    (``medians``: MPI's first, then the shared-memory ways' in the order of ``ways`` after MPI; 0 is no timing)."""
+    (``medians`` of the ways in ``order``, ``Route.order``: MPI's first; 0 is no timing)."""
     t_mpi = medians[0]
-    shared = [(t, w) for t, w in zip(medians[1:], (w for w in ways if w != MPI_CALL)) if t > 0]
+    shared = [(t, w) for t, w in zip(medians[1:], order[1:]) if t > 0]
     if t_mpi <= 0 or not shared:
         return MPI_CALL
     t, w = min(shared)
@@ -139,8 +140,8 @@ class Route:
     """One size class of one collective (and dtype and op): its choice, or where its measuring stands."""
 
     __slots__ = (
-        "fn", "label", "bits", "prior", "ways", "round", "way", "chosen", "left", "interval", "calls", "times", "told",
-        "agreement",
+        "fn", "label", "bits", "prior", "ways", "order", "round", "way", "chosen", "left", "interval", "calls", "times",
+        "told", "agreement",
     )  # fmt: skip
 
     def __init__(self, fn: str, label: str, bits: int, prior: bool, one_copy: bool = False) -> None:
@@ -148,6 +149,7 @@ class Route:
         self.prior = prior  # the --tune table says shared memory wins here (agreed by every rank at set-up)
         # the measured ways, in the order of their blocks: shared memory first, then MPI, then the one-copy variant
         self.ways = (SHARED, MPI_CALL, ONE_COPY) if one_copy else (SHARED, MPI_CALL)
+        self.order = (MPI_CALL, *(w for w in self.ways if w != MPI_CALL))  # of the medians: MPI's first
         self.round = len(self.ways) * SAMPLES * (WARM + 1)  # the measured calls (ROUND for two ways)
         self.way = TRIAL  # what the calls take now: MPI_CALL or SHARED once chosen, TRIAL while measuring
         self.chosen = TRIAL  # the last choice (TRIAL before the first): a new one is logged where it differs
@@ -165,7 +167,7 @@ class Route:
 
     def medians(self) -> tuple[float, ...]:
         """This rank's medians per way, MPI's first (0 where a way has no timing: the other ranks' then decide)."""
-        return tuple(_median(self.times[_SLOT[w]]) for w in (MPI_CALL, *self.ways[:1], *self.ways[2:]))
+        return tuple(_median(self.times[_SLOT[w]]) for w in self.order)
 
     def sizes(self) -> str:
         return f"{_size(1 << (self.bits - 1))}-{_size(1 << self.bits)}"
@@ -281,8 +283,7 @@ class Chooser:
             raise b.timeout_failure(fn, b.seq, b.timeout_s)
         *slowest, no_prior = (float(v) for v in agreed)
         margin = MARGIN if no_prior else PRIOR_MARGIN
-        way = _best(r.ways, slowest, margin)
-        t_mpi, t_shm = slowest[0], slowest[1 + (way == ONE_COPY)]
+        way = _best(r.order, slowest, margin)
         changed = r.chosen != TRIAL and way != r.chosen
         r.way = r.chosen = way
         r.left = r.interval
@@ -290,16 +291,19 @@ class Chooser:
         if not r.told or changed:
             r.told = True
             here = r.medians()
-            here_mpi, here_shm = here[0], here[1 + (way == ONE_COPY)]
-            mine_way = _NAMES[_best(r.ways, list(here), margin)]
-            timed = ", ".join(f"{len(r.times[_SLOT[w]])}" for w in (MPI_CALL, *r.ways[:1], *r.ways[2:]))
+            mine_way = _NAMES[_best(r.order, list(here), margin)]
+            timed = ", ".join(f"{len(r.times[_SLOT[w]])}" for w in r.order)
+
+            def each(medians: Any) -> str:
+                return ", ".join(f"{_SHORT[w]} {_us(t)}" for w, t in zip(r.order, medians))
+
             _log.info(
-                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of up to %d timed calls each: MPI %s, shared "
-                "memory %s; here: MPI %s, shared memory %s (of %s blocking calls timed), alone it would take %s; "
-                "shared memory needs at most %.2fx MPI's time%s); measured again after %d calls",
+                "%s, %s, group %s, rank %d: %s%s (slowest rank's median of up to %d timed calls each: %s; here: %s "
+                "(of %s blocking calls timed), alone it would take %s; shared memory needs at most %.2fx MPI's "
+                "time%s); measured again after %d calls",
                 f"{fn} {r.label}".strip(), r.sizes(), b.group_name or "default", b.rank, r.describe(),
-                " (changed)" if changed else "", SAMPLES, _us(t_mpi), _us(t_shm), _us(here_mpi), _us(here_shm),
-                timed, mine_way, margin, ", the --tune table's prior" if not no_prior else "", r.left,
+                " (changed)" if changed else "", SAMPLES, each(slowest), each(here), timed, mine_way, margin,
+                ", the --tune table's prior" if not no_prior else "", r.left,
             )  # fmt: skip
 
     def settle(self, limit_s: float) -> bool:

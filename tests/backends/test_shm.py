@@ -303,6 +303,8 @@ except DistBackendError as exc:
 if rank == 0:
     time.sleep(2)  # rank 2 has printed too (it timed out at the same time)
     os.kill(pids[1], signal.SIGKILL)  # the stopped rank: end the job
+else:  # a rank that exits ends the job under Open MPI's prterun: not before rank 0, raising at the same time, printed
+    time.sleep(1)
 os._exit(0)
 """
 

@@ -409,12 +409,14 @@ def _one_copy_calls(g: Any, c: Checks, what: str, nbytes: int, k: int) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_one_copy_variant_is_chosen_where_it_measures_fastest_and_is_right(monkeypatch):
-    """Where this rank's clock makes the one-copy variant fastest on every rank, every rank takes it; results
-    are right on every call (every root, in place, async) during the measuring and after it; calls after
-    the choice move no chunk through the slots. Where ranks' clocks disagree, they still agree."""
+def test_the_one_copy_variant_is_chosen_where_it_measures_fastest_and_is_right(monkeypatch, caplog):
+    """Where this rank's clock makes the one-copy variant fastest on every rank, every rank takes it (and INFO
+    logs the three ways' timings); results are right on every call (every root, in place, async) during the
+    measuring and after it; calls after the choice move no chunk through the slots. Where ranks' clocks
+    disagree, they still agree."""
     if shm._read_from is None:
         pytest.skip("the C module is not built: no one-copy variant")
+    caplog.set_level(logging.INFO, logger="mpidist")
     c = Checks()
     for label, skew in [
         ("one copy fastest everywhere", (1e4, 1e4, 1.0)),
@@ -433,6 +435,10 @@ def test_the_one_copy_variant_is_chosen_where_it_measures_fastest_and_is_right(m
         if label.startswith("one copy"):
             c.equal(f"{label}: the choices", choices,
                     [("all_gather_into_tensor", "shared memory, one copy"), ("broadcast", "shared memory, one copy")])  # fmt: skip
+            said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("broadcast, 256 KiB-512 KiB")]
+            c.true(f"{label}: the log of broadcast's choice: {said}",
+                   len(said) == 1 and ": shared memory, one copy (" in said[0] and "; here: MPI " in said[0]
+                   and ", one copy " in said[0])  # fmt: skip
             before = _chunks(g)
             _one_copy_calls(g, c, label + ", after the choice", nbytes, 99)
             c.equal(f"{label}: chunks through the segment after the choice (one per call)", _chunks(g) - before,
