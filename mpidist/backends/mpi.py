@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from .mpi_persistent import MPIPersistent
+    from .node_leaders import NodeLeaders
     from .shm import SharedPath
     from .shm_choice import Chooser
 
@@ -204,8 +205,9 @@ class MPIBackend(BaseBackend):
         # the shared-memory path (shm.py): set up by the first call of SETUP_FLOOR bytes, then calls from
         # _shm_from bytes look at it; NEVER where it is off (one rank, or the ranks agreed so). The choice
         # between it and MPI's call, per collective, dtype and op, and size class: shm_choice.py
-        self._shm: SharedPath | None = None
+        self._shm: SharedPath | NodeLeaders | None = None
         self._shm_from = SETUP_FLOOR if self.size > 1 else NEVER
+        self._host_from = self._shm_from  # from here calls may read and write host memory of their own (staging)
         self._choice: Chooser | None = None
 
     @property
@@ -400,17 +402,18 @@ class MPIBackend(BaseBackend):
         )
 
     # -- shared memory --------------------------------------------------------------------
-    def _path(self, fn: str) -> SharedPath | None:
+    def _path(self, fn: str) -> SharedPath | NodeLeaders | None:
         """The group's shared-memory path, set up by the first call that may take it; None where it is off."""
         path = self._shm
         if path is None and self._shm_from < NEVER:
             from .shm import SharedPath  # imported on first use: init_process_group's cost grows with ranks per core
             from .shm_choice import Chooser
 
-            path = self._shm = SharedPath.setup(self, fn)
+            path = self._shm = SharedPath.setup(self, fn)  # or the node-leader path, where the ranks span nodes
             self._shm_from = NEVER if path is None else path.smallest
+            self._host_from = NEVER if path is None else path.host_from
             if path is not None:
-                self._choice = Chooser(self, path.prior, path.one_copy)
+                self._choice = Chooser(self, path.prior, path.one_copy, path.way)
         return path
 
     def _way(self, fn: str, nbytes: int, routes: dict[str, list[Any]], label: str) -> int:
@@ -460,10 +463,11 @@ class MPIBackend(BaseBackend):
 
     def shared_memory_from(self) -> int:
         """The size (bytes) from which calls may take the shared-memory path, which reads and writes memory on
-        the host (the same on every rank; it only grows once the path is set up or found off)."""
-        return self._shm_from
+        the host (the same on every rank; it only grows once the path is set up or found off; the node-leader
+        path of a group that spans nodes hands arrays to MPI as they are)."""
+        return self._host_from
 
-    def shared_memory(self) -> SharedPath | None:
+    def shared_memory(self) -> SharedPath | NodeLeaders | None:
         """The group's shared-memory path once set up (None before, or where it is off): for tests and the bench."""
         return self._shm
 
@@ -512,7 +516,7 @@ class MPIBackend(BaseBackend):
         if buf.nbytes >= self._shm_from:
             path = self._shm or self._path("all_reduce")
             r = None if path is None else path.reducer(e, op)
-            if r is not None:
+            if r is not None and (path.host_from < NEVER or type(buf) is np.ndarray):  # node leaders: host arrays
                 way = self._way("all_reduce", buf.nbytes, r.routes, r.label)
                 if way == TRIAL:
                     self.seq -= 1  # counted again when the call runs as the path measured

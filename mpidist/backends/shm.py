@@ -68,7 +68,7 @@ import secrets
 import socket
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -80,6 +80,9 @@ from ..reduce_op import OP_TABLE, Post, Prim, RedOpType, divide_average, from_or
 from ..work import poll
 from . import shm_tuning, ulfm
 from .mpi_types import TypeEntry
+
+if TYPE_CHECKING:
+    from .node_leaders import NodeLeaders
 
 _log = logging.getLogger("mpidist")
 
@@ -273,6 +276,9 @@ class Reducer:
 class SharedPath:
     """One group's shared segment: the ranks' regions, their counters, and the queue of operations."""
 
+    #: the measuring's way for this path (shm_choice.py); the one-copy variant is ONE_COPY
+    way = shm_tuning.SHARED
+
     def __init__(
         self,
         rank: int,
@@ -291,6 +297,7 @@ class SharedPath:
         self.limits = limits
         self.prior = prior or {}  # the --tune table's ranges, agreed: a prior of the measuring
         self.smallest = min(low if name in fixed else shm_tuning.SETUP_FLOOR for name, (low, _) in limits.items())
+        self.host_from = self.smallest  # device arrays from this size are staged: the path reads host memory
         self.routes: dict[str, list[Any]] = {}  # broadcast's and all_gather_into_tensor's size classes (shm_choice)
         self.per, self.result_bytes = _region_sizes(size, chunk)  # one rank's region (whole pages), a result area
         # how long a blocking call's wait stays in C (SharedOp.spin) before poll looks at the clock again
@@ -317,19 +324,21 @@ class SharedPath:
 
     # -- set-up ---------------------------------------------------------------------------------------
     @classmethod
-    def setup(cls, backend: Any, fn: str) -> SharedPath | None:
+    def setup(cls, backend: Any, fn: str) -> SharedPath | NodeLeaders | None:
         """Agree with the group's other ranks whether and from which sizes to use shared memory; map it.
 
         Called by every rank in the same call (the first of at least ``SETUP_FLOOR`` bytes). One
         nonblocking MPI_Iallreduce, polled within the group's timeout, carries each rank's
         consent, its node's key and its size ranges, and rank 0's segment name; a rank that does
         not come makes the call time out as any collective would. Returns None where the path is
-        off (a rank refuses, the ranks span nodes, one rank).
+        off (a rank refuses, one rank); where the ranks span nodes, the node-leader path
+        (``node_leaders.py``) where every rank consents and a node holds two of them, else None.
         """
         comm, rank, size = backend.comm, backend.rank, backend.size
         library = MPI.Get_library_version().splitlines()[0] if MPI.Get_library_version() else ""
         # under ULFM MPI's calls report a dead member at once; a wait on shared counters would only time out
         willing = size > 1 and shm_tuning.enabled() and not shm_status() and not ulfm.enabled()
+        leaders = size > 2 and shm_tuning.leaders_enabled() and not ulfm.enabled()  # where the ranks span nodes
         fixed = shm_tuning.overrides()
         prior = shm_tuning.prior(size, library)
         # this rank's room: its part of the node's budget, less what its other groups' segments hold
@@ -365,7 +374,9 @@ class SharedPath:
             ranges += [int(c in fixed), low, -high, prior[c][0], -prior[c][1]]
         # the chunk: the smallest any rank has room for (MAX of the negatives); the segment's, rank 0's
         chunks = [-chunk, chunk if name else 0]
-        mine = np.array([-int(willing), key, -key, os.getpid() if name else 0, nonce, *chunks, *ranges], np.int64)
+        mine = np.array(
+            [-int(willing), key, -key, os.getpid() if name else 0, nonce, *chunks, -int(leaders), *ranges], np.int64
+        )
         agreed = np.zeros_like(mine)
         try:
             req = comm.Iallreduce(mine, agreed, MPI.MAX)
@@ -378,9 +389,17 @@ class SharedPath:
             if name:
                 _unlink(name)
             raise
+        ends = [int(v) for v in agreed[8:]]
+        cols = list(enumerate(shm_tuning.COLLECTIVES))
+        limits = {c: (ends[5 * i + 1], -ends[5 * i + 2]) for i, c in cols}
+        fixed = frozenset(c for i, c in cols if ends[5 * i])
         if agreed[0] != -1 or agreed[1] != -agreed[2]:  # someone refused, or not every rank is on this node
             if name:
                 _unlink(name)
+            if agreed[1] != -agreed[2] and agreed[7] == -1:  # the ranks span nodes, and all may take node leaders
+                from .node_leaders import NodeLeaders
+
+                return NodeLeaders.setup(backend, fn, key, limits, fixed)
             return None
         name = name or f"/mpidist-{int(agreed[3])}-{int(agreed[4]):x}"
         chunk, made = -int(agreed[5]), int(agreed[6])  # made >= chunk: a rank with less room asks for less
@@ -392,11 +411,8 @@ class SharedPath:
                 f"{fn}: rank {rank} of group {backend.group_name or 'default'} could not map the group's shared "
                 f"memory {name} ({exc}); set MPIDIST_SHM=0 to use MPI's calls only"
             ) from exc
-        ends = [int(v) for v in agreed[7:]]
-        cols = list(enumerate(shm_tuning.COLLECTIVES))
-        limits = {c: (ends[5 * i + 1], -ends[5 * i + 2]) for i, c in cols}
         prior = {c: (ends[5 * i + 3], -ends[5 * i + 4]) for i, c in cols if ends[5 * i + 3] < shm_tuning.NEVER}
-        path = cls(rank, size, mem, limits, frozenset(c for i, c in cols if ends[5 * i]), prior, chunk)
+        path = cls(rank, size, mem, limits, fixed, prior, chunk)
         path._announce(int(agreed[4]))
         _publish(path.mine + _ATTACHED, 1)
         try:  # every rank has mapped it (or the wait ran out): rank 0 unlinks the name

@@ -64,10 +64,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..work import poll
-from .shm_tuning import CLASSES, MPI_CALL, NEVER, ONE_COPY, SHARED, TRIAL, Range
+from .shm_tuning import CLASSES, LEADERS, MPI_CALL, NEVER, ONE_COPY, SHARED, TRIAL, Range
 
 __all__ = [
-    "Chooser", "Route", "MPI_CALL", "SHARED", "ONE_COPY", "TRIAL", "CLASSES", "WARM", "SAMPLES", "ROUND",
+    "Chooser", "Route", "MPI_CALL", "SHARED", "ONE_COPY", "LEADERS", "TRIAL", "CLASSES", "WARM", "SAMPLES", "ROUND",
     "AGREE_LAG", "CHOSEN_AT", "MARGIN", "PRIOR_MARGIN", "ONE_COPY_FLOOR", "ONE_COPY_COLLECTIVES",
 ]  # fmt: skip
 
@@ -100,10 +100,10 @@ ONE_COPY_FLOOR = 256 << 10
 #: a test hook: this rank's timings of (MPI's call, shared memory) are multiplied by these factors (the one-copy
 #: variant's by the second, or by a third where given)
 skew: tuple[float, ...] = (1.0, 1.0)
-#: where each way's timings go in Route.times
-_SLOT = {MPI_CALL: 0, SHARED: 1, ONE_COPY: 2}
-_NAMES = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "shared memory, one copy"}
-_SHORT = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "one copy"}  # in the log's timings
+#: where each way's timings go in Route.times (a group has the shared-memory path or the node-leader one, not both)
+_SLOT = {MPI_CALL: 0, SHARED: 1, LEADERS: 1, ONE_COPY: 2}
+_NAMES = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "shared memory, one copy", LEADERS: "node leaders"}
+_SHORT = {MPI_CALL: "MPI", SHARED: "shared memory", ONE_COPY: "one copy", LEADERS: "node leaders"}  # in the log
 
 
 def _size(n: int) -> str:
@@ -144,14 +144,17 @@ class Route:
         "told", "agreement",
     )  # fmt: skip
 
-    def __init__(self, fn: str, label: str, bits: int, prior: bool, one_copy: bool = False) -> None:
+    def __init__(
+        self, fn: str, label: str, bits: int, prior: bool, one_copy: bool = False, way: int = SHARED
+    ) -> None:
         self.fn, self.label, self.bits = fn, label, bits
         self.prior = prior  # the --tune table says shared memory wins here (agreed by every rank at set-up)
-        # the measured ways, in the order of their blocks: shared memory first, then MPI, then the one-copy variant
-        self.ways = (SHARED, MPI_CALL, ONE_COPY) if one_copy else (SHARED, MPI_CALL)
+        # the measured ways, in the order of their blocks: the group's path first (shared memory, or node leaders
+        # where it spans nodes), then MPI, then the one-copy variant
+        self.ways = (way, MPI_CALL, ONE_COPY) if one_copy else (way, MPI_CALL)
         self.order = (MPI_CALL, *(w for w in self.ways if w != MPI_CALL))  # of the medians: MPI's first
         self.round = len(self.ways) * SAMPLES * (WARM + 1)  # the measured calls (ROUND for two ways)
-        self.way = TRIAL  # what the calls take now: MPI_CALL or SHARED once chosen, TRIAL while measuring
+        self.way = TRIAL  # what the calls take now: one of ``ways`` once chosen, TRIAL while measuring
         self.chosen = TRIAL  # the last choice (TRIAL before the first): a new one is logged where it differs
         self.left = 0  # calls until the next measuring (decided) or measured calls made (measuring)
         self.interval = RECHECK_FIRST
@@ -186,10 +189,11 @@ class Chooser:
 
     ``backend`` is the group's ``MPIBackend`` (its communicator, timeout and call numbers);
     ``prior`` the agreed ``--tune`` ranges where shared memory won; ``one_copy`` whether the
-    one-copy variant may be measured (every rank can read the others' memory).
+    one-copy variant may be measured (every rank can read the others' memory); ``way`` the
+    group's own path (``SHARED``, or ``LEADERS`` in a group that spans nodes).
     """
 
-    def __init__(self, backend: Any, prior: dict[str, Range], one_copy: bool = False) -> None:
+    def __init__(self, backend: Any, prior: dict[str, Range], one_copy: bool = False, way: int = SHARED) -> None:
         self.backend = backend
         self.prior = prior
         #: while a measured call runs again as the path it measures: its way (SHARED, ONE_COPY or MPI_CALL)
@@ -197,16 +201,17 @@ class Chooser:
         self.pending: tuple[Route, int, bool] | None = None  # the measured call: its route, way, whether timed
         self.routes: list[Route] = []  # every route made, for shared_memory_choices()
         self.one_copy = one_copy  # the group's ranks may read each other's memory (SharedPath.one_copy)
+        self.way = way
 
     def _route(self, table: list[Route | None], fn: str, label: str, bits: int) -> Route:
         low, high = self.prior.get(fn, (NEVER, NEVER))
         one_copy = self.one_copy and fn in ONE_COPY_COLLECTIVES and 1 << (bits - 1) >= ONE_COPY_FLOOR
-        r = table[bits] = Route(fn, label, bits, low <= 1 << (bits - 1) <= high, one_copy)
+        r = table[bits] = Route(fn, label, bits, low <= 1 << (bits - 1) <= high, one_copy, self.way)
         self.routes.append(r)
         return r
 
     def next(self, table: list[Route | None], fn: str, label: str, nbytes: int) -> int:
-        """What this call of ``fn`` on ``nbytes`` takes: MPI_CALL, SHARED, or TRIAL (then ``pending`` says which
+        """What this call of ``fn`` on ``nbytes`` takes: MPI_CALL, a path's way, or TRIAL (then ``pending`` says which
         route and path; the caller runs the call again as that path, through :meth:`measure`).
 
         Every rank calls it at the same call with the same arguments and gets the same answer (whether the call

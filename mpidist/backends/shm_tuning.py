@@ -44,8 +44,8 @@ from typing import Any
 from .._validate import env_flag
 
 __all__ = [
-    "COLLECTIVES", "NEVER", "SETUP_FLOOR", "MPI_CALL", "SHARED", "TRIAL", "CLASSES", "Range", "overrides", "prior",
-    "enabled", "tune_file", "read_table", "write_table", "parse_size", "parse_range", "node_budget", "NODE_BUDGET_MAX",
+    "COLLECTIVES", "NEVER", "SETUP_FLOOR", "MPI_CALL", "SHARED", "TRIAL", "ONE_COPY", "LEADERS", "CLASSES", "Range",
+    "overrides", "prior", "enabled", "leaders_enabled", "one_copy_enabled", "tune_file", "read_table", "write_table", "parse_size", "parse_range", "node_budget", "NODE_BUDGET_MAX",
 ]  # fmt: skip
 
 #: the collectives the shared-memory path runs, in the order of the set-up agreement
@@ -62,6 +62,9 @@ MPI_CALL, SHARED, TRIAL = 0, 1, 2
 #: ... or the shared-memory path's one-copy variant (broadcast, all_gather_into_tensor: each rank reads the others'
 #: arrays straight from their memory, ``shm.py``), where the kernel lets the group's ranks do that
 ONE_COPY = 3
+#: ... or the node-leader path of a group that spans nodes (all_reduce within each node, then between the nodes'
+#: leaders, ``node_leaders.py``)
+LEADERS = 4
 #: the size classes of the measured choice: a call of n bytes is in class n.bit_length() (2**(k-1) <= n < 2**k)
 CLASSES = 64
 
@@ -71,6 +74,7 @@ Range = tuple[int, int]
 ENV_SWITCH = "MPIDIST_SHM"
 ENV_THRESHOLDS = "MPIDIST_SHM_THRESHOLDS"
 ENV_ONE_COPY = "MPIDIST_SHM_ONE_COPY"
+ENV_LEADERS = "MPIDIST_SHM_LEADERS"
 ENV_TUNE_FILE = "MPIDIST_SHM_TUNE_FILE"
 ENV_NODE_BYTES = "MPIDIST_SHM_NODE_BYTES"
 #: the default bound of a node's shared memory, where ``/dev/shm`` is larger than twice this
@@ -82,6 +86,12 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 def one_copy_enabled() -> bool:
     """Whether this process lets its groups measure the one-copy variant (``MPIDIST_SHM_ONE_COPY``, default on)."""
     return bool(env_flag(ENV_ONE_COPY, default=True))
+
+
+def leaders_enabled() -> bool:
+    """Whether this process lets its groups that span nodes measure the node-leader path (``MPIDIST_SHM_LEADERS``,
+    default on; ``MPIDIST_SHM=0`` turns it off too)."""
+    return bool(env_flag(ENV_LEADERS, default=True)) and enabled()
 
 
 def enabled() -> bool:

@@ -105,7 +105,8 @@ def tune(dist: Any, sizes: list[int], trials: int, out: TextIO) -> int:
     off = group_under(dist, {shm_tuning.ENV_SWITCH: "0"})
     from ..testing import backend_of
 
-    if backend_of(on).shared_memory() is None:
+    path = backend_of(on).shared_memory()
+    if path is None or path.way != shm_tuning.SHARED:
         say("# --tune: this job has no shared-memory path (one rank, ranks on several nodes, MPIDIST_SHM=0,")
         say("# or a rank without POSIX shared memory): nothing to tune")
         return 1

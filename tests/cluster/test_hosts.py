@@ -29,6 +29,7 @@ LIBRARIES = ["mpich", "openmpi"]
 XHOST = str(hs.PROGS / "xhost.py")
 PROBE = str(hs.PROGS / "probe.py")
 LOOP = str(hs.PROGS / "reduce_loop.py")
+LEADERS = str(hs.PROGS / "node_leaders.py")
 
 #: how each layout places ranks: the launcher's host list, and the host of each rank
 LAYOUTS = {
@@ -190,6 +191,41 @@ def test_launcher_across_hosts(tmp_path, library, layout):
     problems = ([] if p.rc == 0 else [f"the launcher exited with {p.rc}"]) + world_problems(found, expected, True)
     problems += traffic_problems(moved, set(expected), BIG)
     assert not problems, "\n".join(problems) + f"\nlink traffic {moved}\n" + p.describe()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_node_leaders_across_hosts(tmp_path, library):
+    """all_reduce in a job of 4 ranks on 2 hosts whose links are bounded to 1 Gbit/s (tc): every group has the
+    node-leader path; every result is right (measured calls, during the measuring and after; async calls in flight,
+    waited for last first); every rank made the same choices; a 1 MiB all_reduce on the path sends about one
+    message per host over its link (MPI's nonblocking call may send more)."""
+    needs(library)
+    shaped = [hs.hosts("shape", h, "1gbit") for h in ("h1", "h2")]
+    try:
+        assert all(r.returncode == 0 for r in shaped), [r.stderr for r in shaped]
+        p = hs.run("job", "h1", hs.launcher_cmd(library, "h1:2,h2:2", 4, [hs.PYTHON, LEADERS]), tmp_path, 100)
+    finally:
+        for h in ("h1", "h2"):
+            hs.hosts("shape", h, "off")
+    everyone = hs.records("LEADERS", p.stdout)
+    problems = [] if p.rc == 0 else [f"the launcher exited with {p.rc}"]
+    if len(everyone) != 4:
+        problems.append(f"expected 4 ranks' findings, got {everyone}")
+    message = 1 << 20
+    for r in everyone:
+        where = f"rank {r['rank']} on {r['host']}"
+        if not r["leaders"] or r["node_size"] != 2:
+            problems.append(f"{where}: node-leader path {r['leaders']}, its node has {r['node_size']} ranks")
+        problems += [f"{where}: {q}" for q in r["problems"]]
+        if r["issued"] != 8:
+            problems.append(f"{where}: {r['issued']} of the 8 counted calls took the path")
+        if not message // 2 < r["sent_on_path"] < message * 1.1 + (64 << 10):
+            problems.append(f"{where}: its host sent {r['sent_on_path']} bytes per {message}-byte call on the path, "
+                            "expected about one message")  # fmt: skip
+        if r["choices"] != everyone[0]["choices"]:
+            problems.append(f"{where}: choices {r['choices']}, rank 0's {everyone[0]['choices']}")
+    assert not problems, "\n".join(problems) + "\n" + p.describe()
 
 
 @pytest.mark.timeout(120)

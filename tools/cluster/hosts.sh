@@ -10,6 +10,7 @@
 #   hosts.sh kill HOST       HOST dies: its link goes down (its peers hear nothing more from it), then every
 #                            process inside it but its holder is killed (SIGKILL); `heal HOST` brings the link back
 #   hosts.sh addr HOST       print HOST's address
+#   hosts.sh shape HOST RATE  bound HOST's link to RATE both ways (tc's tbf: 10gbit, 1gbit; "off" removes it)
 #   hosts.sh list            print the hosts that are up, one per line
 #
 # Each host hK is
@@ -266,6 +267,19 @@ cmd_kill() {  # host $1 dies: its link first (no FIN or RST reaches its peers), 
     done
 }
 cmd_addr() { check_host_name "$1"; echo "$NET.$(num_of "$1")"; }
+cmd_shape() {  # HOST's link, both ways, at most RATE (tc's units: 10gbit, 1gbit); "off" removes the limit.
+    # A token bucket (tbf) on the bridge-side veth (into the host) and on the host's eth0 (out of it)
+    check_host_name "$1"
+    local host=$1 rate=${2:?rate or off} ns
+    holder_pid "$host" >/dev/null || die "host $host is not up (hosts.sh up)"
+    ns=$(ns_of "$host")
+    $T tc qdisc del dev "$(veth_of "$host")" root 2>/dev/null
+    $T ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null
+    [[ $rate == off ]] && return 0
+    $T tc qdisc add dev "$(veth_of "$host")" root tbf rate "$rate" burst 256kb latency 20ms \
+        && $T ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 20ms \
+        || die "tc could not shape $host's link (the kernel needs sch_tbf)"
+}
 
 case ${1:-} in
     up) shift; cmd_up "$@" ;;
@@ -276,6 +290,7 @@ case ${1:-} in
     heal) cmd_heal "${2:?host}" ;;
     kill) cmd_kill "${2:?host}" ;;
     addr) cmd_addr "${2:?host}" ;;
+    shape) shift; cmd_shape "$@" ;;
     list) hosts_up ;;
     *) sed -n '2,14s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac
