@@ -17,7 +17,11 @@ and the ranks agree on the faster. This module holds what overrides or informs t
 5. ``MPIDIST_SHM_ONE_COPY=0`` keeps the one-copy variant of broadcast and
    all_gather_into_tensor (each rank reads the others' arrays with ``process_vm_readv``)
    out of the measuring (:func:`one_copy_enabled`); a fixed range takes the variant that
-   copies through the segment.
+   copies through the segment;
+6. ``MPIDIST_SHM_LEADERS=0`` keeps the node-leader path of a group that spans nodes
+   (``node_leaders.py``: all_reduce within each node, then between the nodes' leaders) out of
+   the measuring (:func:`leaders_enabled`); ``MPIDIST_SHM=0`` does too, and an all_reduce range
+   in ``MPIDIST_SHM_THRESHOLDS`` fixes that path to it in such a group.
 
 A range is ``(from, up to)`` in bytes, both included (``up to`` is :data:`NEVER` for no
 upper end). The size is the array every rank passes alike: all_reduce's, broadcast's
