@@ -456,11 +456,14 @@ class Work(metaclass=_WorkKind):
 
     def _wait_test(self) -> Callable[[], bool]:
         """What ``wait`` polls: ``_test``, or the one request's ``spin`` where it has one (the shared-memory
-        path's operation, which waits in C between tests)."""
+        path's operation, which waits in C between tests); where the owner's group has other operations queued
+        on a path of its own (``MPIBackend.advancing``), each test advances them too."""
         reqs = self._reqs
-        if len(reqs) == 1 and self._status is None:
-            return getattr(reqs[0], "spin", self._test)
-        return self._test
+        test = getattr(reqs[0], "spin", self._test) if len(reqs) == 1 and self._status is None else self._test
+        path = getattr(self._owner, "_shm", None)  # the MPI backend's path: its other operations move too
+        if path is None or not path.queue:
+            return test
+        return self._owner.advancing(test, reqs[-1] if reqs else None)
 
     def _first_test(self) -> bool:
         """The first test of ``wait``: one ``_test`` (a subclass may test longer, in C, before the poll)."""

@@ -355,14 +355,36 @@ class MPIBackend(BaseBackend):
             return Work([req], post, keep, op, self, self.seq, self.timeout_s)
         try:  # one test first: a small operation is often complete; else poll until the timeout
             if not req.Test() and not poll(  # a SharedOp waits in C between tests (spin)
-                getattr(req, "spin", req.Test), self.timeout_s, self.spins, (self.group_name, op, self.seq)
-            ):
+                self.advancing(getattr(req, "spin", req.Test), req), self.timeout_s, self.spins,
+                (self.group_name, op, self.seq),
+            ):  # fmt: skip
                 self._expired(op, req, keep)
         except MPI.Exception as exc:
             raise self._fail(op, exc) from exc
         if post is not None:
             post()
         return None
+
+    def advancing(self, test: Callable[[], bool], req: Any) -> Callable[[], bool]:
+        """``test``, or where the group's path (shared memory, node leaders) has operations queued other than
+        ``req``: ``test`` that first advances them (never waiting). A rank blocked in one call then still
+        plays its part in the async operations it issued before, which other ranks may be waiting for (a
+        path's operation moves only when its rank tests it; MPI's requests move inside any MPI call)."""
+        path = self._shm
+        if path is None or not path.queue:
+            return test
+        try:
+            if path.queue[-1] is req:  # the operation waited for is the last: its own test advances the rest
+                return test
+        except IndexError:  # another thread (torch's progress thread) completed them meanwhile
+            return test
+        advance = path.advance
+
+        def both() -> bool:
+            advance()
+            return test()
+
+        return both
 
     def _expired(self, op: str, req: MPI.Request, keep: Any) -> None:
         """A blocking call ran out of time: keep its buffers forever and raise."""

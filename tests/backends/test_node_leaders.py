@@ -206,3 +206,17 @@ def test_a_rank_that_stays_away_gives_the_timeout(two_nodes):
     dist.barrier()
     dist.destroy_process_group(g)
     fail_together(problems)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_rank_blocked_in_another_call_advances_its_async_operation(two_nodes):
+    """A leader blocked in a barrier or a recv, that the others reach only after the async all_reduce on the path
+    completes, must post its steps meanwhile (the others' waits need them)."""
+    from test_shm import blocked_elsewhere
+
+    g = group_under(dist, {"MPIDIST_SHM_THRESHOLDS": "all_reduce=16K"}, timeout=10.0)
+    problems = blocked_elsewhere(g, "node leaders")
+    meet_outside_mpidist()
+    dist.barrier()
+    dist.destroy_process_group(g)
+    fail_together(problems)

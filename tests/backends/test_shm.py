@@ -539,3 +539,46 @@ def test_a_blocking_call_waits_for_a_late_rank_in_c(groups, monkeypatch):
     dist.reduce_scatter_tensor(out, np.full(n * SIZE, RANK + 1.0, np.float32), group=on)
     c.true("reduce_scatter_tensor after a late rank", (out == SIZE * (SIZE + 1) / 2).all())
     c.done()
+
+
+def blocked_elsewhere(g, what: str) -> list[str]:
+    """Every rank issues an async all_reduce on ``g``'s path (fixed to it); rank 0 then blocks in another call (a
+    barrier; a recv from rank 1) before waiting for it, the others wait for it first. Rank 0's blocked call must
+    advance its part of the async operation (the others' waits need it), not time out. Returns the problems."""
+    problems = []
+    n = (1 << 20) // 4  # one chunk and more: every rank's part moves the operation on
+    for blocking in ("barrier", "recv"):
+        x = np.full(n, RANK + 1, np.float32)
+        token = np.zeros(1, np.int64)
+        try:
+            w = dist.all_reduce(x, group=g, async_op=True)
+            if RANK == 0:
+                if blocking == "barrier":
+                    dist.barrier(group=g)
+                else:
+                    dist.irecv(token, src=1, group=g).wait()
+                w.wait()
+            else:
+                w.wait()
+                if blocking == "barrier":
+                    dist.barrier(group=g)
+                elif RANK == 1:
+                    dist.send(np.ones(1, np.int64), dst=0, group=g)
+        except DistBackendError as exc:
+            problems.append(f"{what}, rank 0 in a {blocking}: {str(exc)[:300]}")
+            break
+        if not (x == SIZE * (SIZE + 1) / 2).all():
+            problems.append(f"{what}, rank 0 in a {blocking}: all_reduce gave {x[:3]}")
+    return problems
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_blocked_in_another_call_advances_its_async_operation():
+    """The shared-memory path's operation moves only when its rank tests it: a rank blocked in a barrier or a recv
+    that the others reach only after the operation completes must test it meanwhile (MPIBackend.advancing)."""
+    g = group_under(dist, {"MPIDIST_SHM_THRESHOLDS": "all_reduce=16K"}, timeout=10.0)
+    problems = blocked_elsewhere(g, "shared memory")
+    meet_outside_mpidist()
+    dist.barrier()
+    dist.destroy_process_group(g)
+    fail_together(problems)
