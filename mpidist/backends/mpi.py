@@ -378,10 +378,13 @@ class MPIBackend(BaseBackend):
                 return test
         except IndexError:  # another thread (torch's progress thread) completed them meanwhile
             return test
-        advance = path.advance
+        queue = path.queue
 
         def both() -> bool:
-            advance()
+            try:
+                queue[-1].Test()  # a path's Test advances its queue up to that operation, never waits
+            except IndexError:  # nothing left queued
+                pass
             return test()
 
         return both

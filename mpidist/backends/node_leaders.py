@@ -169,14 +169,6 @@ class NodeLeaders:
         low, high = self.limits[fn]
         return low <= nbytes <= high
 
-    def advance(self) -> None:
-        """Advance the queued operations as far as their steps allow, without waiting."""
-        try:
-            last = self.queue[-1]
-        except IndexError:  # nothing queued (or another thread completed it all meanwhile)
-            return
-        last.Test()
-
     def all_reduce(self, x: np.ndarray, r: LeaderReduction) -> LeaderAllReduce:
         """Queue an all_reduce of ``x`` (contiguous, in place) behind the group's earlier operations; start it."""
         op = LeaderAllReduce(self, x, r)

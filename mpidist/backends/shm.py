@@ -523,14 +523,6 @@ class SharedPath:
         low, high = self.limits[fn]
         return low <= nbytes <= high
 
-    def advance(self) -> None:
-        """Advance the queued operations as far as the counters allow, without waiting."""
-        try:
-            last = self.queue[-1]
-        except IndexError:  # nothing queued (or another thread completed it all meanwhile)
-            return
-        last.Test()
-
     def issue(self, op: SharedOp) -> SharedOp:
         """Queue ``op`` behind the group's earlier operations and start it (without waiting)."""
         with self.lock:
